@@ -1,0 +1,205 @@
+"""The `llamabatch` command line: wiring only; the work happens in the engine, display in display."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import display
+from .catalog import Catalog
+from .engine import BatchEngine
+from .errors import LlamabatchError
+from .native import Model, init_backend
+from .sampling import SamplingParams
+
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="True batched inference for llama.cpp: many sequences, one llama_decode per step.",
+)
+
+_DEFAULT = SamplingParams()
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Catalog name or path to a .gguf file.")]
+CatalogOpt = Annotated[Optional[Path], typer.Option("--config", help="models.toml to use instead of the packaged one.")]
+ParallelOpt = Annotated[Optional[int], typer.Option("--parallel", "-np", help="Sequences decoded together (slots).")]
+CtxOpt = Annotated[Optional[int], typer.Option("--ctx", "-c", help="Total KV cache tokens, split between sequences.")]
+BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-b", help="Most tokens per llama_decode (n_batch).")]
+UbatchOpt = Annotated[Optional[int], typer.Option("--ubatch-size", "-ub", help="Physical micro-batch (n_ubatch).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
+GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", "-ngl", help="Layers on the GPU (-1 = all).")]
+KvUnifiedOpt = Annotated[Optional[bool], typer.Option("--kv-unified/--no-kv-unified", help="One KV buffer shared by all sequences.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Write JSON Lines to stdout.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log.")]
+
+
+def command(fn):
+    """Register a command whose LlamabatchErrors become one red line and exit code 1."""
+
+    @functools.wraps(fn)
+    def run_reporting_errors(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LlamabatchError as e:
+            display.error_line(str(e))
+            raise typer.Exit(1) from None
+
+    return app.command()(run_reporting_errors)
+
+
+@command
+def run(
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option(help="Prompts: one per line, or JSONL objects with 'prompt' and sampling fields.")] = None,
+    model: ModelOpt = None,
+    config: CatalogOpt = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = _DEFAULT.max_tokens,
+    temperature: Annotated[float, typer.Option("--temperature", "--temp", help="0 = greedy.")] = _DEFAULT.temperature,
+    top_k: Annotated[int, typer.Option(help="0 = off.")] = _DEFAULT.top_k,
+    top_p: Annotated[float, typer.Option(help="1 = off.")] = _DEFAULT.top_p,
+    min_p: Annotated[float, typer.Option(help="0 = off.")] = _DEFAULT.min_p,
+    repeat_penalty: Annotated[float, typer.Option(help="1 = off.")] = _DEFAULT.repeat_penalty,
+    presence_penalty: float = _DEFAULT.presence_penalty,
+    frequency_penalty: float = _DEFAULT.frequency_penalty,
+    seed: Annotated[Optional[int], typer.Option(help="Same seed + same batch = same output.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable); not included in the text.")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Generate past end-of-generation tokens.")] = False,
+    parallel: ParallelOpt = None,
+    ctx: CtxOpt = None,
+    batch_size: BatchOpt = None,
+    ubatch_size: UbatchOpt = None,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    kv_unified: KvUnifiedOpt = None,
+    chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template.")] = None,
+    stream: Annotated[bool, typer.Option(help="Show each sequence's text live.")] = False,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Generate completions for many prompts, decoded together in one batch."""
+    base = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repeat_penalty=repeat_penalty, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos,
+    )
+    prompts, params = _gather_prompts(prompt or [], prompts_file, base)
+    with BatchEngine(
+        model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
+        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, chat=chat, verbose=verbose,
+    ) as engine:
+        sequences = engine.submit(prompts, params)
+        if stream and not json_out:
+            with display.StreamView(prompts) as view:
+                for events in _steps(engine):
+                    view.update(events, sequences)
+        else:
+            with display.progress(len(prompts)) as bar:
+                task = bar.add_task("generate", total=len(prompts), completed=sum(s.finish_reason is not None for s in sequences))
+                for events in _steps(engine):
+                    bar.advance(task, sum(e.finish_reason is not None for e in events))
+        results = [seq.result() for seq in sequences]
+        stats = {"model": engine.model_name, "parallel": engine.config.n_parallel, **engine.stats.summary()}
+    if json_out:
+        for result in results:
+            display.json_line(_result_json(result))
+        display.json_line({"summary": stats})
+    else:
+        if not stream:
+            for result in results:
+                display.completion(result)
+        display.summary(stats)
+    if any(r.error for r in results):
+        raise typer.Exit(1)
+
+
+@command
+def models(config: CatalogOpt = None, json_out: JsonOpt = False, verbose: VerboseOpt = False) -> None:
+    """List the catalog's models, with GGUF metadata for those available here."""
+    catalog = Catalog.load(config)
+    init_backend(verbose)
+    rows = [_model_row(spec) for spec in catalog.models.values()]
+    if json_out:
+        for row in rows:
+            display.json_line(row)
+    else:
+        display.models_table(rows)
+
+
+def _model_row(spec) -> dict:
+    row = {"name": spec.name, "source": spec.source, "available": spec.is_available(), "description": spec.description}
+    if not row["available"]:
+        return row
+    path = spec.gguf_path()
+    with Model(path, gpu_layers=0) as model:
+        arch, _size_label, quant = model.description.split(" ", 2)
+        row.update(
+            architecture=arch, parameters=model.n_params, quantization=quant,
+            trained_ctx=model.n_ctx_train, file_bytes=path.stat().st_size, path=str(path),
+        )
+    return row
+
+
+def _steps(engine: BatchEngine):
+    while engine.has_work:
+        yield engine.step()
+
+
+def _gather_prompts(
+    prompts: list[str], prompts_file: Path | None, base: SamplingParams
+) -> tuple[list[str], list[SamplingParams]]:
+    params = [base] * len(prompts)
+    if prompts_file is not None:
+        file_prompts, file_params = _read_prompts_file(prompts_file, base)
+        prompts, params = prompts + file_prompts, params + file_params
+    if not prompts:
+        raise LlamabatchError("no prompts: give -p PROMPT (repeatable) or --prompts-file FILE")
+    return prompts, params
+
+
+def _read_prompts_file(path: Path, base: SamplingParams) -> tuple[list[str], list[SamplingParams]]:
+    """Plain text (one prompt per non-blank line) or JSON Lines ({"prompt": ..., sampling fields})."""
+    if not path.is_file():
+        raise LlamabatchError(f"prompts file not found: {path}")
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    if not lines or not lines[0][1].lstrip().startswith("{"):
+        return [line for _, line in lines], [base] * len(lines)
+    prompts, params = [], []
+    for n, line in lines:
+        prompt, sampling = _parse_jsonl_entry(line, f"{path}:{n}")
+        try:
+            params.append(replace(base, **sampling))
+        except LlamabatchError as e:
+            raise LlamabatchError(f"{path}:{n}: {e}") from None
+        prompts.append(prompt)
+    return prompts, params
+
+
+def _parse_jsonl_entry(line: str, where: str) -> tuple[str, dict]:
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise LlamabatchError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
+        raise LlamabatchError(f"{where}: expected an object with a string 'prompt'")
+    unknown = set(entry) - _SAMPLING_FIELDS - {"prompt"}
+    if unknown:
+        raise LlamabatchError(f"{where}: unknown fields {sorted(unknown)}")
+    prompt = entry.pop("prompt")
+    return prompt, entry
+
+
+def _result_json(result) -> dict:
+    data = result.to_dict()
+    data.pop("token_ids")
+    if data["error"] is None:
+        data.pop("error")
+    return data
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,64 @@
+"""Engine settings: the catalog's defaults for a model, overridden by the caller, validated."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import llama_cpp
+
+from .catalog import ModelSpec
+from .errors import ConfigError
+
+# Below this a sequence cannot hold a useful prompt plus completion.
+MIN_CTX_PER_SEQUENCE = 32
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    n_ctx: int = 4096  # total KV cells, split evenly between sequences unless kv_unified
+    n_batch: int = 512  # most tokens per llama_decode
+    n_ubatch: int = 512
+    n_parallel: int = 4  # slots: sequences decoded together
+    n_threads: int = 0  # 0 = all cores
+    gpu_layers: int = -1
+    kv_unified: bool = False  # one KV buffer shared by all sequences instead of one each
+    chat: bool = False
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_threads == 0:
+            object.__setattr__(self, "n_threads", os.cpu_count() or 1)
+        for problem in self._problems():
+            raise ConfigError(problem)
+
+    @classmethod
+    def for_model(cls, spec: ModelSpec, **overrides) -> EngineConfig:
+        """The spec's defaults, with every override that is not None applied."""
+        values = dict(
+            n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_ubatch=spec.n_ubatch, n_parallel=spec.parallel,
+            n_threads=spec.threads, gpu_layers=spec.gpu_layers, chat=spec.chat,
+        )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    def _problems(self):
+        for name in ("n_ctx", "n_batch", "n_ubatch", "n_parallel", "n_threads"):
+            if getattr(self, name) < 1:
+                yield f"{name} must be >= 1, got {getattr(self, name)}"
+        max_seq = llama_cpp.llama_max_parallel_sequences()
+        if self.n_parallel > max_seq:
+            yield f"--parallel {self.n_parallel} exceeds llama.cpp's limit of {max_seq} sequences"
+        elif self.n_ctx // self.n_parallel < MIN_CTX_PER_SEQUENCE:
+            yield (
+                f"--parallel {self.n_parallel} leaves {self.n_ctx // self.n_parallel} context tokens per sequence "
+                f"(--ctx {self.n_ctx}); at least {MIN_CTX_PER_SEQUENCE} are needed: raise --ctx or lower --parallel"
+            )
+        if self.n_batch < self.n_parallel:
+            yield f"n_batch ({self.n_batch}) must be at least --parallel ({self.n_parallel}): each sequence adds a token per step"
+        if self.gpu_layers < -1:
+            yield f"gpu_layers must be -1 (all) or >= 0, got {self.gpu_layers}"

@@ -1,0 +1,128 @@
+"""Everything the CLI shows: completions, the live stream view, progress, summaries, tables."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from .results import Event, Result
+from .sequence import Sequence
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def error_line(message: str) -> None:
+    """One line, never wrapped or parsed as markup: the CLI's only way to report an error."""
+    err.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
+
+
+def json_line(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+
+
+def completion(result: Result) -> None:
+    out.rule(Text(f"[{result.index}] {_one_line(result.prompt, 70)}", style="bold"), align="left")
+    if result.error:
+        error_line(f"prompt {result.index}: {result.error}")
+        return
+    out.print(Text(result.prompt, style="dim"), Text(result.text), sep="", soft_wrap=True)
+    out.print(
+        f"[dim]{result.finish_reason} · {result.prompt_tokens} prompt + "
+        f"{result.completion_tokens} completion tokens · ttft {result.timings.ttft_s * 1000:.0f} ms[/]"
+    )
+
+
+def summary(stats: dict) -> None:
+    table = Table(title="run summary", show_header=False, title_justify="left", box=None)
+    for key, value in stats.items():
+        table.add_row(key.replace("_", " "), str(value))
+    out.print(table)
+
+
+def progress(total: int) -> Progress:
+    """A progress bar on stderr counting finished prompts; it vanishes when done."""
+    return Progress(
+        TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err, transient=True, disable=total < 2,
+    )
+
+
+class StreamView:
+    """Live view of the running sequences' text; each one's full completion prints above it when done."""
+
+    def __init__(self, prompts: list[str], max_rows: int = 12) -> None:
+        self.prompts = prompts
+        self.text: dict[int, str] = {}
+        self.done = 0
+        self.max_rows = max_rows
+        self.live = Live(self._render(), console=out, refresh_per_second=12, transient=True)
+
+    def __enter__(self) -> StreamView:
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.live.__exit__(*exc)
+
+    def update(self, events: Iterable[Event], sequences: list[Sequence]) -> None:
+        for event in events:
+            self.text[event.index] = self.text.get(event.index, "") + event.text
+            if event.finish_reason is not None:
+                self.text.pop(event.index)
+                self.done += 1
+                self.live.console.print(_streamed(sequences[event.index].result()))
+        self.live.update(self._render())
+
+    def _render(self) -> Group:
+        rows = Table(show_header=False, box=None, expand=True)
+        rows.add_column(width=6, style="bold cyan")
+        rows.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
+        for index, text in list(self.text.items())[: self.max_rows]:
+            rows.add_row(f"[{index}]", Text(_one_line(text[-200:], 200)))
+        footer = Text(f"{self.done}/{len(self.prompts)} done, {len(self.text)} streaming", style="dim")
+        return Group(rows, footer)
+
+
+def _streamed(result: Result) -> Group:
+    head = Text(f"[{result.index}] {_one_line(result.prompt, 70)}", style="bold")
+    if result.error:
+        return Group(head, Text(f"error: {result.error}", style="red"))
+    tail = Text(f"{result.finish_reason} · {result.completion_tokens} tokens", style="dim")
+    return Group(head, Text(result.text), tail)
+
+
+def models_table(rows: list[dict]) -> None:
+    table = Table(title="models.toml")
+    for column in ("name", "available", "architecture", "parameters", "quantization", "trained ctx", "file size", "source"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            escape(row["name"]), "yes" if row["available"] else "[red]no[/]", row.get("architecture", "-"),
+            _human(row.get("parameters"), ""), row.get("quantization", "-"), str(row.get("trained_ctx", "-")),
+            _human(row.get("file_bytes"), "B"), escape(row["source"]),
+        )
+    out.print(table)
+
+
+def _human(value: int | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    for prefix in ("", "K", "M", "G", "T"):
+        if value < 1000:
+            return f"{value:.0f}{prefix}{unit}" if prefix == "" else f"{value:.1f}{prefix}{unit}"
+        value /= 1000
+    return f"{value:.1f}P{unit}"
+
+
+def _one_line(text: str, width: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"

@@ -1,0 +1,280 @@
+"""Owners of llama.cpp's native handles: model, context, batch and sampler chain.
+
+Each class holds one handle and frees it exactly once in close() (or on leaving a
+`with` block); __del__ is only a backstop. The vocabulary is borrowed from its model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from .errors import ConfigError, DecodeError, LlamabatchError, ModelError
+
+_backend_ready = False
+
+
+@llama_cpp.llama_log_callback
+def _drop_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    pass
+
+
+def init_backend(verbose: bool = False) -> None:
+    """Initialise llama.cpp once per process; its log goes to stderr only when verbose."""
+    global _backend_ready
+    llama_cpp.llama_log_set(None if verbose else _drop_log, None)
+    if not _backend_ready:
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
+
+
+class _Owner:
+    """Holds a native handle until close()."""
+
+    kind = "handle"
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise LlamabatchError(f"{self.kind} is closed")
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def close(self) -> None:
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self._free(handle)
+
+    def _free(self, handle) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class Vocab:
+    """Tokenizer of a model; borrowed, valid while the model is open."""
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(handle)
+        self._pieces: dict[int, bytes] = {}
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        data = text.encode()
+        capacity = len(data) + 8
+        while True:
+            buf = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(self._handle, data, len(data), buf, capacity, add_special, True)
+            if n >= 0:
+                return buf[:n]
+            capacity = -n  # too small: llama.cpp says how many it needs
+
+    def piece(self, token: int) -> bytes:
+        """The token's bytes (special tokens render empty). Cached: the hot path asks often."""
+        cached = self._pieces.get(token)
+        if cached is None:
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self._handle, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self._handle, token, buf, len(buf), 0, False)
+            cached = self._pieces[token] = buf.raw[:n]
+        return cached
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode(errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return llama_cpp.llama_vocab_is_eog(self._handle, token)
+
+
+class Model(_Owner):
+    kind = "model"
+
+    def __init__(self, path: Path, gpu_layers: int = -1) -> None:
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = gpu_layers
+        handle = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        if not handle:
+            raise ModelError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF; --verbose shows why)")
+        super().__init__(handle)
+        self.path = path
+        self.vocab = Vocab(llama_cpp.llama_model_get_vocab(handle))
+
+    def _free(self, handle) -> None:
+        llama_cpp.llama_model_free(handle)
+
+    @property
+    def description(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(self.handle, buf, len(buf))
+        return buf.value.decode()
+
+    @property
+    def n_params(self) -> int:
+        return llama_cpp.llama_model_n_params(self.handle)
+
+    @property
+    def n_ctx_train(self) -> int:
+        return llama_cpp.llama_model_n_ctx_train(self.handle)
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        return buf.value.decode() if n >= 0 else None
+
+    def apply_chat_template(self, messages: list[dict[str, str]], fallback: str | None = None) -> str:
+        """Render messages with the model's template, ending with the assistant's turn.
+
+        `fallback` names one of llama.cpp's built-in templates (e.g. "gemma") for a GGUF
+        that carries none.
+        """
+        template = llama_cpp.llama_model_chat_template(self.handle, None) or (fallback or "").encode()
+        if not template:
+            raise ModelError(f"{self.path.name} has no chat template (set chat_template in models.toml, or drop --chat)")
+        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]  # alive across the calls
+        chat = (llama_cpp.llama_chat_message * len(keep))(*(llama_cpp.llama_chat_message(r, c) for r, c in keep))
+        size = 0
+        buf = None
+        while True:
+            n = llama_cpp.llama_chat_apply_template(template, chat, len(keep), True, buf, size)
+            if n < 0:
+                raise ModelError(f"llama.cpp does not support the chat template of {self.path.name}")
+            if n <= size:
+                return buf.raw[:n].decode()
+            size = n
+            buf = ctypes.create_string_buffer(size)
+
+
+class Context(_Owner):
+    kind = "context"
+
+    def __init__(
+        self, model: Model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
+        n_threads: int, kv_unified: bool,
+    ) -> None:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = min(n_ubatch, n_batch)
+        params.n_seq_max = n_seq_max
+        params.n_threads = params.n_threads_batch = n_threads
+        params.kv_unified = kv_unified
+        params.no_perf = True
+        handle = llama_cpp.llama_init_from_model(model.handle, params)
+        if not handle:
+            raise ConfigError(
+                f"llama.cpp could not create a context (n_ctx={n_ctx}, parallel={n_seq_max}, n_batch={n_batch}); "
+                "lower --ctx or --parallel (--verbose shows why)"
+            )
+        super().__init__(handle)
+        self._memory = llama_cpp.llama_get_memory(handle)
+        self.n_ctx = llama_cpp.llama_n_ctx(handle)
+        self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(handle)
+
+    def _free(self, handle) -> None:
+        llama_cpp.llama_free(handle)
+
+    def decode(self, batch: Batch) -> None:
+        code = llama_cpp.llama_decode(self.handle, batch.struct)
+        if code != 0:
+            raise DecodeError(code)
+
+    def remove_sequence(self, seq_id: int, from_pos: int = 0) -> None:
+        """Free a sequence's KV cells at positions >= from_pos (all of them by default)."""
+        llama_cpp.llama_memory_seq_rm(self._memory, seq_id, from_pos, -1)
+
+    def sequence_end(self, seq_id: int) -> int:
+        """Highest position stored for the sequence, or -1 when it has none."""
+        return llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)
+
+
+class Batch(_Owner):
+    """A llama_batch of token ids, filled through numpy views of its C arrays."""
+
+    kind = "batch"
+
+    def __init__(self, capacity: int) -> None:
+        struct = llama_cpp.llama_batch_init(capacity, 0, 1)
+        super().__init__(struct)
+        self.capacity = capacity
+        self.token = np.ctypeslib.as_array(struct.token, shape=(capacity,))
+        self.pos = np.ctypeslib.as_array(struct.pos, shape=(capacity,))
+        self.logits = np.ctypeslib.as_array(struct.logits, shape=(capacity,))
+        np.ctypeslib.as_array(struct.n_seq_id, shape=(capacity,))[:] = 1
+        # Each row's seq_id lives in its own malloc'd array; remember what each row holds
+        # so a decode step whose rows keep their sequences writes none of them.
+        self._row_seq = np.full(capacity, -1, dtype=np.int64)
+        self.n_tokens = 0
+
+    def _free(self, struct) -> None:
+        llama_cpp.llama_batch_free(struct)
+
+    @property
+    def struct(self) -> llama_cpp.llama_batch:
+        struct = self.handle
+        struct.n_tokens = self.n_tokens
+        return struct
+
+    def clear(self) -> None:
+        self.n_tokens = 0
+
+    def add(self, tokens: list[int], pos0: int, seq_id: int, logits_last: bool) -> int:
+        """Append a run of one sequence's tokens at positions pos0...; return the last row."""
+        start, end = self.n_tokens, self.n_tokens + len(tokens)
+        if end > self.capacity:
+            raise ValueError(f"batch overflow: {end} tokens > capacity {self.capacity}")
+        self.token[start:end] = tokens
+        self.pos[start:end] = np.arange(pos0, pos0 + len(tokens))
+        self.logits[start:end] = 0
+        self.logits[end - 1] = logits_last
+        stale = np.flatnonzero(self._row_seq[start:end] != seq_id)
+        if stale.size:
+            rows = self.handle.seq_id
+            for i in stale + start:
+                rows[i][0] = seq_id
+            self._row_seq[start:end] = seq_id
+        self.n_tokens = end
+        return end - 1
+
+    def seq_ids(self) -> list[int]:
+        rows = self.handle.seq_id
+        return [rows[i][0] for i in range(self.n_tokens)]
+
+
+class SamplerChain(_Owner):
+    """A llama.cpp sampler chain; samplers added to it become the chain's to free."""
+
+    kind = "sampler chain"
+
+    def __init__(self) -> None:
+        super().__init__(llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params()))
+
+    def _free(self, handle) -> None:
+        llama_cpp.llama_sampler_free(handle)
+
+    def add(self, sampler) -> None:
+        llama_cpp.llama_sampler_chain_add(self.handle, sampler)
+
+    def accept(self, token: int) -> None:
+        llama_cpp.llama_sampler_accept(self.handle, token)
+
+    def sample(self, ctx: Context, row: int) -> int:
+        """Sample from the logits of batch row `row`, and record the token in the chain."""
+        return llama_cpp.llama_sampler_sample(self.handle, ctx.handle, row)

@@ -1,0 +1,77 @@
+"""What the engine hands back: per-token events, per-prompt results, run statistics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Event:
+    """One step's news for one sequence: a sampled token and its text, or the end."""
+
+    index: int  # the prompt's position in the caller's input
+    token: int | None  # None for an event that carries only the end (or an error)
+    text: str  # newly shown text; may be empty (half a UTF-8 character, a possible stop prefix)
+    finish_reason: str | None = None  # "stop", "length" or "error" on the last event
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_s: float  # submitted -> given a slot
+    ttft_s: float  # submitted -> first token sampled
+    decode_s: float  # first token -> finished
+
+
+@dataclass(frozen=True)
+class Result:
+    index: int
+    prompt: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop", "length" or "error"
+    prompt_tokens: int
+    completion_tokens: int
+    timings: Timings | None = None  # None when the prompt was rejected
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RunStats:
+    """Counters over the engine's steps since it was created or last reset."""
+
+    prompt_tokens_evaluated: int = 0
+    completion_tokens: int = 0
+    decode_calls: int = 0
+    batch_tokens: int = 0  # tokens across all decode calls
+    sequence_slots: int = 0  # sum over decode calls of the sequences in the batch
+    step_s: float = 0.0  # time inside step(): build batch, decode, sample
+    first_step_at: float | None = None
+    last_step_at: float | None = None
+
+    @property
+    def wall_s(self) -> float:
+        if self.first_step_at is None or self.last_step_at is None:
+            return 0.0
+        return self.last_step_at - self.first_step_at
+
+    @property
+    def mean_active_sequences(self) -> float:
+        return self.sequence_slots / self.decode_calls if self.decode_calls else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "prompt_tokens_evaluated": self.prompt_tokens_evaluated,
+            "completion_tokens": self.completion_tokens,
+            "decode_calls": self.decode_calls,
+            "mean_active_sequences": round(self.mean_active_sequences, 3),
+            "wall_s": round(self.wall_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+        }

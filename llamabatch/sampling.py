@@ -1,0 +1,84 @@
+"""Per-sequence sampling parameters, and the llama.cpp sampler chain built from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import llama_cpp
+
+from .errors import SamplingError
+from .native import SamplerChain
+
+MAX_SEED = 2**32 - 2  # 2**32 - 1 is llama.cpp's "pick a random seed"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.95  # 1 = off
+    min_p: float = 0.05  # 0 = off
+    repeat_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64  # tokens the penalties look back over; -1 = whole context
+    seed: int | None = None  # None = a random seed per sequence
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False  # keep generating past end-of-generation tokens (benchmarks)
+
+    def __post_init__(self) -> None:
+        # Lists from JSON or the CLI become tuples so params stay hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        for problem in self._problems():
+            raise SamplingError(f"invalid sampling parameter: {problem}")
+
+    def _problems(self):
+        if self.max_tokens < 1:
+            yield f"max_tokens must be >= 1, got {self.max_tokens}"
+        if self.temperature < 0:
+            yield f"temperature must be >= 0, got {self.temperature}"
+        if self.top_k < 0:
+            yield f"top_k must be >= 0, got {self.top_k}"
+        if not 0 < self.top_p <= 1:
+            yield f"top_p must be in (0, 1], got {self.top_p}"
+        if not 0 <= self.min_p <= 1:
+            yield f"min_p must be in [0, 1], got {self.min_p}"
+        if self.repeat_penalty <= 0:
+            yield f"repeat_penalty must be > 0, got {self.repeat_penalty}"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                yield f"{name} must be in [-2, 2], got {getattr(self, name)}"
+        if self.penalty_last_n < -1:
+            yield f"penalty_last_n must be >= -1, got {self.penalty_last_n}"
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            yield f"seed must be in [0, {MAX_SEED}], got {self.seed}"
+        if any(not s for s in self.stop):
+            yield "stop strings must not be empty"
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repeat_penalty, self.presence_penalty, self.frequency_penalty) != (1.0, 0.0, 0.0)
+
+
+def build_sampler(params: SamplingParams, n_vocab: int) -> SamplerChain:
+    """The chain llama.cpp's own tools use: penalties, then truncation, temperature, draw."""
+    chain = SamplerChain()
+    if params.uses_penalties:
+        chain.add(llama_cpp.llama_sampler_init_penalties(
+            n_vocab, params.penalty_last_n, params.repeat_penalty,
+            params.frequency_penalty, params.presence_penalty,
+        ))
+    if params.temperature == 0:
+        chain.add(llama_cpp.llama_sampler_init_greedy())
+        return chain
+    if params.top_k > 0:
+        chain.add(llama_cpp.llama_sampler_init_top_k(params.top_k))
+    if params.top_p < 1:
+        chain.add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
+    if params.min_p > 0:
+        chain.add(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
+    chain.add(llama_cpp.llama_sampler_init_temp(params.temperature))
+    seed = llama_cpp.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
+    chain.add(llama_cpp.llama_sampler_init_dist(seed))
+    return chain

@@ -1,0 +1,80 @@
+"""One sequence's whole state: its tokens, its place in the KV cache, its sampler, its text."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .native import SamplerChain
+from .results import Result, Timings
+from .sampling import SamplingParams
+from .text import TextStream
+
+
+class Status(Enum):
+    WAITING = "waiting"  # queued, no slot yet
+    RUNNING = "running"  # holds a seq_id and KV cells
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    index: int  # position in the caller's input
+    prompt: str
+    params: SamplingParams
+    tokens: list[int]  # prompt token ids, then generated ones
+    n_prompt: int
+    sampler: SamplerChain | None = None
+    text: TextStream = field(init=False)
+    status: Status = Status.WAITING
+    seq_id: int = -1  # llama.cpp sequence id while RUNNING
+    n_past: int = 0  # tokens already in the KV cache
+    n_chunk: int = 0  # tokens the scheduler put in the current batch
+    i_batch: int = -1  # batch row whose logits we sample from this step, or -1
+    finish_reason: str | None = None
+    error: str | None = None
+    t_submitted: float = field(default_factory=time.perf_counter)
+    t_admitted: float | None = None
+    t_first_token: float | None = None
+    t_finished: float | None = None
+
+    def __post_init__(self) -> None:
+        self.text = TextStream(self.params.stop)
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+    @property
+    def n_pending(self) -> int:
+        """Tokens not yet in the KV cache: the rest of the prompt, or the last sampled token."""
+        return len(self.tokens) - self.n_past
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token to catch up on: a prompt, or a preempted sequence's history."""
+        return self.n_pending > 1
+
+    def chunk(self) -> list[int]:
+        return self.tokens[self.n_past : self.n_past + self.n_chunk]
+
+    def result(self) -> Result:
+        timings = None
+        if self.t_first_token is not None and self.t_finished is not None:
+            timings = Timings(
+                queue_s=(self.t_admitted or self.t_submitted) - self.t_submitted,
+                ttft_s=self.t_first_token - self.t_submitted,
+                decode_s=self.t_finished - self.t_first_token,
+            )
+        return Result(
+            index=self.index,
+            prompt=self.prompt,
+            text=self.text.text,
+            token_ids=self.tokens[self.n_prompt :],
+            finish_reason=self.finish_reason or "error",
+            prompt_tokens=self.n_prompt,
+            completion_tokens=self.n_generated,
+            timings=timings,
+            error=self.error,
+        )

@@ -1,0 +1,99 @@
+"""Write tiny llama-architecture GGUF models with random weights for fast tests.
+
+The vocabulary is SentencePiece-style with byte fallback: the 256 byte tokens
+let any UTF-8 text round-trip, and a handful of word pieces make tokenization
+non-trivial. Weights are random, so output is gibberish, but it is real
+llama.cpp inference end to end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter, TokenType
+
+BOS, EOS, UNK = 1, 2, 0
+WORD_PIECES = [
+    "▁the", "▁a", "▁of", "▁is", "▁and", "▁to", "▁in", "▁capital", "▁France",
+    "▁Paris", "▁def", "▁fib", "(n):", "▁Once", "▁upon", "▁time", "▁hello",
+    "▁world", "▁", "e", "t", "a", "o", "n", "s", "r", "h", "l", "d", ".", ",",
+]
+
+
+def vocabulary() -> tuple[list[str], list[float], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [TokenType.BYTE] * 256
+    tokens += WORD_PIECES
+    types += [TokenType.NORMAL] * len(WORD_PIECES)
+    # Longer pieces score higher so the SPM tokenizer prefers them.
+    scores = [0.0] * (3 + 256) + [float(len(p)) for p in WORD_PIECES]
+    return tokens, scores, [int(t) for t in types]
+
+
+def write_tiny_model(
+    path: Path,
+    *,
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_ff: int = 128,
+    n_ctx_train: int = 2048,
+    seed: int = 0,
+    always_eos: bool = False,
+) -> Path:
+    """Write a tiny F32 llama model. `always_eos` makes EOS the greedy choice at every step."""
+    tokens, scores, types = vocabulary()
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_name("tiny-test-llama")
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(0)  # all F32
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(BOS)
+    w.add_eos_token_id(EOS)
+    w.add_unk_token_id(UNK)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+    embd = weight(n_vocab, n_embd, scale=1.0)
+    output = weight(n_vocab, n_embd, scale=1.0)
+    if always_eos:
+        # A large constant component survives the (small) layers and RMS norm,
+        # and only the EOS row reads it: EOS wins every argmax.
+        embd[:, 0] += 20.0
+        output[EOS, 0] = 50.0
+    w.add_tensor("token_embd.weight", embd)
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            w.add_tensor(f"blk.{i}.{name}.weight", weight(n_embd, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", weight(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", weight(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", weight(n_embd, n_ff))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("output.weight", output)
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
