@@ -11,8 +11,9 @@ import llama_cpp
 from .catalog import ModelSpec
 from .errors import ConfigError
 
-# Below this a sequence cannot hold a useful prompt plus completion.
-MIN_CTX_PER_SEQUENCE = 32
+# llama.cpp rounds each sequence's share of a non-unified KV cache up to a multiple of
+# 256 cells, so a smaller share silently allocates more memory than --ctx asked for.
+KV_CELLS_PER_SEQUENCE_MIN = 256
 
 
 @dataclass(frozen=True)
@@ -53,11 +54,15 @@ class EngineConfig:
         max_seq = llama_cpp.llama_max_parallel_sequences()
         if self.n_parallel > max_seq:
             yield f"--parallel {self.n_parallel} exceeds llama.cpp's limit of {max_seq} sequences"
-        elif self.n_ctx // self.n_parallel < MIN_CTX_PER_SEQUENCE:
+        elif not self.kv_unified and self.n_ctx // self.n_parallel < KV_CELLS_PER_SEQUENCE_MIN:
             yield (
-                f"--parallel {self.n_parallel} leaves {self.n_ctx // self.n_parallel} context tokens per sequence "
-                f"(--ctx {self.n_ctx}); at least {MIN_CTX_PER_SEQUENCE} are needed: raise --ctx or lower --parallel"
+                f"--parallel {self.n_parallel} leaves {self.n_ctx // self.n_parallel} KV cells per sequence "
+                f"(--ctx {self.n_ctx}), and llama.cpp gives each at least {KV_CELLS_PER_SEQUENCE_MIN}: "
+                f"use --ctx {self.n_parallel * KV_CELLS_PER_SEQUENCE_MIN}, "
+                f"--parallel {max(1, self.n_ctx // KV_CELLS_PER_SEQUENCE_MIN)}, or --kv-unified"
             )
+        elif self.n_ctx < self.n_parallel:
+            yield f"--parallel {self.n_parallel} is more than --ctx {self.n_ctx} KV cells"
         if self.n_batch < self.n_parallel:
             yield f"n_batch ({self.n_batch}) must be at least --parallel ({self.n_parallel}): each sequence adds a token per step"
         if self.gpu_layers < -1:

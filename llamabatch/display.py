@@ -101,16 +101,18 @@ def _streamed(result: Result) -> Group:
 
 
 def models_table(rows: list[dict]) -> None:
-    table = Table(title="models.toml")
-    for column in ("name", "available", "architecture", "parameters", "quantization", "trained ctx", "file size", "source"):
-        table.add_column(column)
+    table = Table(title="models.toml", title_justify="left")
+    for column in ("name", "here", "arch", "params", "quant", "ctx train", "size"):
+        table.add_column(column, no_wrap=column in ("name", "quant"))
     for row in rows:
         table.add_row(
             escape(row["name"]), "yes" if row["available"] else "[red]no[/]", row.get("architecture", "-"),
             _human(row.get("parameters"), ""), row.get("quantization", "-"), str(row.get("trained_ctx", "-")),
-            _human(row.get("file_bytes"), "B"), escape(row["source"]),
+            _human(row.get("file_bytes"), "B"),
         )
     out.print(table)
+    for row in rows:
+        out.print(f"[bold]{escape(row['name'])}[/]: {escape(row.get('description') or '')} [dim]({escape(row['source'])})[/]")
 
 
 def _human(value: int | None, unit: str) -> str:

@@ -80,7 +80,7 @@ class BatchEngine:
                 f"prompt is {len(tokens)} tokens, longer than the {self.ctx.n_ctx_seq}-token context "
                 "of one sequence (raise --ctx or lower --parallel)"
             )
-        seq = Sequence(index, prompt, params, tokens, len(tokens), sampler=build_sampler(params, self.vocab.n_vocab))
+        seq = Sequence(index, prompt, params, tokens, len(tokens), sampler=build_sampler(params, self.vocab.n_vocab, self.ctx.n_ctx_seq))
         if params.uses_penalties:
             for token in tokens:  # penalties look back over the prompt too, as llama.cpp's server does
                 seq.sampler.accept(token)

@@ -35,6 +35,7 @@ class _Owner:
     """Holds a native handle until close()."""
 
     kind = "handle"
+    _handle = None  # so close() is safe even when a constructor failed before setting it
 
     def __init__(self, handle) -> None:
         self._handle = handle

@@ -61,12 +61,14 @@ class SamplingParams:
         return (self.repeat_penalty, self.presence_penalty, self.frequency_penalty) != (1.0, 0.0, 0.0)
 
 
-def build_sampler(params: SamplingParams, n_vocab: int) -> SamplerChain:
+def build_sampler(params: SamplingParams, n_vocab: int, n_ctx: int) -> SamplerChain:
     """The chain llama.cpp's own tools use: penalties, then truncation, temperature, draw."""
     chain = SamplerChain()
     if params.uses_penalties:
+        # The native sampler reads -1 as 0 (off); "whole context" is ours to spell out.
+        last_n = n_ctx if params.penalty_last_n == -1 else params.penalty_last_n
         chain.add(llama_cpp.llama_sampler_init_penalties(
-            n_vocab, params.penalty_last_n, params.repeat_penalty,
+            n_vocab, last_n, params.repeat_penalty,
             params.frequency_penalty, params.presence_penalty,
         ))
     if params.temperature == 0:

@@ -24,6 +24,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_ids = list(range(n_slots))  # a heap: lowest free seq_id first
+        # After the KV cache ran full, admitting more would only fill it again: wait until
+        # a running sequence finishes and frees its cells.
+        self._kv_full = False
 
     @property
     def has_work(self) -> bool:
@@ -55,6 +58,7 @@ class Scheduler:
         heapq.heappush(self._free_ids, seq.seq_id)
         seq.seq_id = -1
         seq.status = Status.FINISHED
+        self._kv_full = False
 
     def preempt(self, seq: Sequence) -> None:
         """Take a running sequence's slot back; it re-enters first and re-prefills all its tokens."""
@@ -62,9 +66,10 @@ class Scheduler:
         heapq.heappush(self._free_ids, seq.seq_id)
         seq.seq_id, seq.n_past, seq.status = -1, 0, Status.WAITING
         self.waiting.appendleft(seq)
+        self._kv_full = True
 
     def _admit(self) -> None:
-        while self.waiting and self._free_ids:
+        while self.waiting and self._free_ids and not (self._kv_full and self.running):
             seq = self.waiting.popleft()
             seq.seq_id = heapq.heappop(self._free_ids)
             seq.status = Status.RUNNING

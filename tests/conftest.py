@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llamabatch import BatchEngine
+
+from tiny_model import write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_eos_model(tmp_path_factory) -> Path:
+    """A tiny model whose greedy choice is always the end-of-sequence token."""
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-eos.gguf", always_eos=True)
+
+
+@pytest.fixture
+def make_engine(tiny_model):
+    """Build engines on the tiny model (or another model); every one is closed after the test."""
+    engines: list[BatchEngine] = []
+
+    def make(model: Path | str | None = None, **settings) -> BatchEngine:
+        settings = {"n_ctx": 2048, "n_parallel": 4, "n_threads": 2, **settings}
+        engine = BatchEngine(model or tiny_model, **settings)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()

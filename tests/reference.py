@@ -1,0 +1,53 @@
+"""A greedy batched decoding loop written straight against llama_cpp, to check the engine against.
+
+All prompts are prefilled in the first batch (logits on each prompt's last token), then each
+step decodes one token per sequence, seq_id = prompt position, and takes the argmax.
+"""
+
+from __future__ import annotations
+
+import llama_cpp
+import numpy as np
+
+
+def reference_greedy(
+    model_path, prompts: list[list[int]], n_steps: int, *, n_ctx: int, n_batch: int, n_threads: int
+) -> list[list[int]]:
+    mparams = llama_cpp.llama_model_default_params()
+    model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = n_ctx, n_batch, n_batch
+    cparams.n_seq_max = len(prompts)
+    cparams.n_threads = cparams.n_threads_batch = n_threads
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+    try:
+        rows, n = [], 0
+        for seq_id, tokens in enumerate(prompts):
+            for pos, token in enumerate(tokens):
+                batch.token[n], batch.pos[n], batch.n_seq_id[n] = token, pos, 1
+                batch.seq_id[n][0] = seq_id
+                batch.logits[n] = pos == len(tokens) - 1
+                n += 1
+            rows.append(n - 1)
+        batch.n_tokens = n
+        outputs: list[list[int]] = [[] for _ in prompts]
+        for step in range(n_steps):
+            assert llama_cpp.llama_decode(ctx, batch) == 0
+            for seq_id, row in enumerate(rows):
+                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, row), shape=(n_vocab,))
+                outputs[seq_id].append(int(np.argmax(logits)))
+            for seq_id, tokens in enumerate(prompts):
+                batch.token[seq_id] = outputs[seq_id][-1]
+                batch.pos[seq_id] = len(tokens) + step
+                batch.n_seq_id[seq_id] = 1
+                batch.seq_id[seq_id][0] = seq_id
+                batch.logits[seq_id] = 1
+            batch.n_tokens = len(prompts)
+            rows = list(range(len(prompts)))
+        return outputs
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)

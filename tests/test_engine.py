@@ -1,0 +1,216 @@
+"""BatchEngine on a tiny generated model: real llama.cpp contexts, batches and samplers."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import llama_cpp
+import pytest
+
+from llamabatch import BatchEngine, PromptError, SamplingParams
+
+from reference import reference_greedy
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["hello world", "the capital of France is", "Once upon a time", "def fib(n):",
+           "a", "and the", "to be or not", "Paris"]
+
+
+@pytest.fixture
+def decode_calls(monkeypatch) -> list[int]:
+    """Return codes of every real llama_decode call made during the test."""
+    codes: list[int] = []
+    real = llama_cpp.llama_decode
+
+    def counting(ctx, batch):
+        codes.append(real(ctx, batch))
+        return codes[-1]
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", counting)
+    return codes
+
+
+@pytest.mark.parametrize("n_seqs", [1, 3, 8])
+def test_one_decode_call_per_step_whatever_the_number_of_sequences(make_engine, decode_calls, n_seqs):
+    engine = make_engine(n_parallel=8)
+    engine.submit(PROMPTS[:n_seqs], GREEDY)
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    # step 1 prefills every prompt and samples token 1; each later step adds one token to all
+    assert steps == GREEDY.max_tokens
+    assert len(decode_calls) == steps == engine.stats.decode_calls
+    assert engine.stats.mean_active_sequences == n_seqs
+    assert engine.stats.completion_tokens == n_seqs * GREEDY.max_tokens
+
+
+def test_batch_rows_hold_positions_seq_ids_and_logits_flags(make_engine):
+    engine = make_engine(n_parallel=3, n_batch=16)
+    lengths = [len(engine.tokenize_prompt(p)) for p in ("hello world", "a", "Once upon a time")]
+    assert lengths[0] + lengths[1] < 16 < sum(lengths)  # the third prompt must be split
+    a, b, c = engine.submit(["hello world", "a", "Once upon a time"], GREEDY)
+
+    engine.step()
+    batch = engine.batch
+    n_c = 16 - lengths[0] - lengths[1]
+    assert batch.n_tokens == 16
+    assert batch.seq_ids() == [a.seq_id] * lengths[0] + [b.seq_id] * lengths[1] + [c.seq_id] * n_c
+    assert list(batch.pos[:16]) == [*range(lengths[0]), *range(lengths[1]), *range(n_c)]
+    assert list(batch.token[:16]) == a.tokens[: lengths[0]] + b.tokens[: lengths[1]] + c.tokens[:n_c]
+    flagged = [lengths[0] - 1, lengths[0] + lengths[1] - 1]  # c is mid-prompt: no logits yet
+    assert [i for i in range(16) if batch.logits[i]] == flagged
+    assert (a.i_batch, b.i_batch, c.i_batch) == (flagged[0], flagged[1], -1)
+
+    engine.step()
+    # a and b decode their first sampled token; c goes on with its prompt after them
+    rest = min(lengths[2] - n_c, 16 - 2)
+    c_done = n_c + rest == lengths[2]
+    assert batch.n_tokens == 2 + rest
+    assert batch.seq_ids() == [a.seq_id, b.seq_id] + [c.seq_id] * rest
+    assert list(batch.pos[: 2 + rest]) == [lengths[0], lengths[1], *range(n_c, n_c + rest)]
+    assert list(batch.token[:2]) == [a.tokens[lengths[0]], b.tokens[lengths[1]]]
+    assert [i for i in range(2 + rest) if batch.logits[i]] == [0, 1] + ([1 + rest] if c_done else [])
+
+
+def test_engine_matches_a_reference_loop_written_against_llama_cpp(make_engine, tiny_model):
+    engine = make_engine(n_parallel=len(PROMPTS), n_batch=256, n_ubatch=256, n_ctx=2048)
+    results = engine.generate(PROMPTS, GREEDY)
+    expected = reference_greedy(
+        tiny_model, [engine.tokenize_prompt(p) for p in PROMPTS], GREEDY.max_tokens,
+        n_ctx=2048, n_batch=256, n_threads=2,
+    )
+    assert [r.token_ids for r in results] == expected
+
+
+def test_first_greedy_token_in_a_batch_equals_a_solo_run(make_engine):
+    batched = make_engine(n_parallel=8).generate(PROMPTS, GREEDY)
+    solo_engine = make_engine(n_parallel=1)
+    for prompt, result in zip(PROMPTS, batched):
+        assert solo_engine.generate([prompt], GREEDY)[0].token_ids[0] == result.token_ids[0]
+
+
+def test_more_prompts_than_slots_all_complete_exactly_once(make_engine):
+    engine = make_engine(n_parallel=8, n_ctx=4096)
+    prompts = [f"{PROMPTS[i % 8]} {i}" for i in range(200)]
+    params = [SamplingParams(temperature=0, max_tokens=2 + i % 7, ignore_eos=True) for i in range(200)]
+    finished = Counter()
+    seqs = engine.submit(prompts, params)
+    for event in engine.run():
+        if event.finish_reason:
+            finished[event.index] += 1
+    assert finished == Counter(range(200))
+    results = [s.result() for s in seqs]
+    assert [r.index for r in results] == list(range(200))
+    assert [r.completion_tokens for r in results] == [p.max_tokens for p in params]
+    assert all(r.finish_reason == "length" for r in results)
+    assert engine.stats.mean_active_sequences > 7  # slots were refilled as sequences left
+    assert not engine.has_work
+
+
+def test_stop_string_cuts_the_text_exactly(make_engine):
+    engine = make_engine()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = engine.generate(["hello world"], params)[0].text
+    stop = next(full[i : i + 2] for i in range(6, len(full) - 2) if full.find(full[i : i + 2]) == i)
+    events = list(engine.stream(["hello world"], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=(stop,))))
+    cut = full[: full.index(stop)]
+    assert events[-1].finish_reason == "stop"
+    assert "".join(e.text for e in events) == cut
+    assert engine.generate(["hello world"], SamplingParams(**{**params.__dict__, "stop": (stop,)}))[0].text == cut
+
+
+def test_streamed_text_equals_the_final_text(make_engine):
+    engine = make_engine()
+    seqs = engine.submit(PROMPTS[:4], SamplingParams(temperature=0.9, seed=3, max_tokens=30))
+    deltas: dict[int, str] = {}
+    for event in engine.run():
+        deltas[event.index] = deltas.get(event.index, "") + event.text
+    for seq in seqs:
+        assert deltas[seq.index] == seq.result().text
+
+
+def test_utf8_characters_split_across_tokens_stream_whole(make_engine):
+    engine = make_engine()
+    text = "héllo wörld 世界 🎉"
+    tokens = engine.vocab.tokenize(text, add_special=False)
+    pieces = [engine.vocab.piece(t) for t in tokens]
+    assert any(_invalid_utf8(p) for p in pieces)  # the vocabulary really splits characters
+    from llamabatch.text import TextStream
+
+    stream = TextStream()
+    deltas = [stream.push(p) for p in pieces] + [stream.finish()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas).strip() == text
+
+
+def test_end_of_generation_token_finishes_with_stop(make_engine, tiny_eos_model):
+    engine = make_engine(tiny_eos_model)
+    result = engine.generate(["hello"], SamplingParams(temperature=0, max_tokens=10))[0]
+    assert (result.finish_reason, result.completion_tokens, result.text) == ("stop", 1, "")
+    ignored = engine.generate(["hello"], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert (ignored.finish_reason, ignored.completion_tokens) == ("length", 10)
+
+
+def test_same_seed_and_batch_give_the_same_output(make_engine):
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, ignore_eos=True) for s in (7, 7, 8, 9)]
+    first = [r.token_ids for r in make_engine().generate(PROMPTS[:4], params)]
+    second = [r.token_ids for r in make_engine().generate(PROMPTS[:4], params)]
+    assert first == second
+    other = [r.token_ids for r in make_engine().generate(PROMPTS[:4], SamplingParams(temperature=1.0, seed=1234, max_tokens=20, ignore_eos=True))]
+    assert other != first
+
+
+def test_top_k_one_samples_the_greedy_token(make_engine):
+    engine = make_engine()
+    greedy = engine.generate(PROMPTS[:4], GREEDY)
+    top1 = engine.generate(PROMPTS[:4], SamplingParams(temperature=1.5, top_k=1, seed=5, max_tokens=12, ignore_eos=True))
+    assert [r.token_ids for r in top1] == [r.token_ids for r in greedy]
+
+
+def test_repeat_penalty_covers_prompt_and_output(make_engine):
+    engine = make_engine()
+    params = SamplingParams(temperature=0, repeat_penalty=1e6, penalty_last_n=-1, max_tokens=20, ignore_eos=True)
+    seq = engine.submit(["hello world"], params)[0]
+    list(engine.run())
+    generated = seq.tokens[seq.n_prompt :]
+    assert len(set(generated)) == len(generated)
+    assert not set(generated) & set(seq.tokens[: seq.n_prompt])
+
+
+def test_a_bad_prompt_fails_alone(make_engine):
+    engine = make_engine(n_ctx=512, n_parallel=2)  # 256 tokens per sequence
+    results = engine.generate(["hello", "", "word " * 300, "world"], GREEDY)
+    assert [r.finish_reason for r in results] == ["length", "error", "error", "length"]
+    assert results[1].error == "empty prompt"
+    assert "longer than the 256-token context" in results[2].error
+    assert results[0].completion_tokens == results[3].completion_tokens == GREEDY.max_tokens
+    with pytest.raises(PromptError, match="empty prompt"):
+        engine.add("")
+
+
+def test_a_sequence_stops_at_the_end_of_its_context(make_engine):
+    engine = make_engine(n_ctx=512, n_parallel=2)
+    assert engine.ctx.n_ctx_seq == 256
+    result = engine.generate(["hello"], SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))[0]
+    assert result.finish_reason == "length"
+    assert result.prompt_tokens + result.completion_tokens == 256 + 1  # the last token is sampled, never decoded
+
+
+def test_full_kv_cache_preempts_and_every_sequence_still_completes(make_engine, decode_calls):
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompts = PROMPTS[:6]
+    tight = make_engine(n_ctx=256, n_parallel=6, kv_unified=True).generate(prompts, params)
+    assert 1 in decode_calls  # llama_decode really ran out of KV cells
+    assert all(r.finish_reason == "length" and r.completion_tokens == 60 for r in tight)
+    ample = make_engine(n_ctx=2048, n_parallel=6, kv_unified=True).generate(prompts, params)
+    # greedy on an F32 model: recomputing a preempted sequence's KV gives the same tokens
+    assert [r.token_ids for r in tight] == [r.token_ids for r in ample]
+
+
+def _invalid_utf8(piece: bytes) -> bool:
+    try:
+        piece.decode()
+    except UnicodeDecodeError:
+        return True
+    return False

@@ -1,0 +1,59 @@
+"""A few checks on the real default model (Gemma 3 270M Q4_K_M, installed with llamabatch)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from llamabatch import BatchEngine, SamplingParams
+from llamabatch.cli import app
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    with BatchEngine(n_parallel=4, n_ctx=4096) as engine:
+        yield engine
+
+
+def test_cli_run_batches_the_quick_start_prompts():
+    args = ["run", "--json", "--temperature", "0", "--max-tokens", "16", "--ignore-eos"]
+    for prompt in PROMPTS:
+        args += ["-p", prompt]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    summary = lines[-1]["summary"]
+    assert summary["model"] == "gemma3-270m"
+    assert summary["decode_calls"] == 16 and summary["mean_active_sequences"] == 3
+    assert [c["completion_tokens"] for c in lines[:-1]] == [16, 16, 16]
+    # the CLI is the engine: same batch composition, same greedy tokens, same text
+    with BatchEngine() as engine:
+        api = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [c["text"] for c in lines[:-1]] == [r.text for r in api]
+
+
+def test_first_greedy_token_batched_equals_solo(gemma):
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    batched = gemma.generate(PROMPTS, greedy)
+    for prompt, result in zip(PROMPTS, batched):
+        assert gemma.generate([prompt], greedy)[0].token_ids == result.token_ids
+
+
+def test_multibyte_text_streams_whole_characters(gemma):
+    prompts = ["Translate to Chinese: good morning =", "Le café est très", "Emoji: 🎉🎉"]
+    params = SamplingParams(temperature=0.7, seed=1, max_tokens=24)
+    seqs = gemma.submit(prompts, params)
+    streamed = {i: "" for i in range(len(prompts))}
+    for event in gemma.run():
+        assert "\ufffd" not in event.text
+        streamed[event.index] += event.text
+    for seq in seqs:
+        result = seq.result()
+        assert streamed[seq.index] == result.text
+        assert result.text == gemma.vocab.detokenize(result.token_ids) or result.finish_reason == "stop"

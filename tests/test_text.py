@@ -1,0 +1,48 @@
+"""TextStream: whole characters only, and stop strings cut exactly, however the bytes arrive."""
+
+from llamabatch.text import TextStream
+
+
+def feed(stream: TextStream, pieces: list[bytes]) -> list[str]:
+    return [stream.push(p) for p in pieces] + [stream.finish()]
+
+
+def test_split_utf8_characters_are_held_until_complete():
+    data = "é世🎉".encode()
+    deltas = feed(TextStream(), [data[i : i + 1] for i in range(len(data))])
+    assert "".join(deltas) == "é世🎉"
+    assert all("\ufffd" not in d for d in deltas)
+    assert deltas[0] == "" and deltas[1] == "é"  # the first byte alone shows nothing
+
+
+def test_dangling_bytes_at_the_end_show_as_replacement_character():
+    stream = TextStream()
+    assert stream.push(b"ok\xe4\xb8") == "ok"
+    assert stream.finish() == "\ufffd"
+
+
+def test_stop_string_cuts_text_exactly_before_it():
+    stream = TextStream(stop=("END",))
+    deltas = feed(stream, [b"abc E", b"N", b"D and more"])
+    assert stream.stopped
+    assert stream.text == "abc "
+    assert "".join(deltas) == "abc "
+
+
+def test_possible_stop_prefix_is_held_back_then_released():
+    stream = TextStream(stop=("</s>",))
+    assert stream.push(b"hi <") == "hi "  # "<" may begin "</s>"
+    assert stream.push(b"/") == ""
+    assert stream.push(b"x") == "</x"  # it did not
+    assert not stream.stopped
+
+
+def test_earliest_of_several_stops_wins():
+    stream = TextStream(stop=("two", "one"))
+    stream.push(b"zero one two")
+    assert stream.text == "zero "
+
+
+def test_text_without_stop_is_shown_whole_at_finish():
+    deltas = feed(TextStream(stop=("xyz",)), [b"abc", b" x"])
+    assert "".join(deltas) == "abc x"
