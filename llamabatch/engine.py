@@ -80,12 +80,32 @@ class BatchEngine:
                 f"prompt is {len(tokens)} tokens, longer than the {self.ctx.n_ctx_seq}-token context "
                 "of one sequence (raise --ctx or lower --parallel)"
             )
-        seq = Sequence(index, prompt, params, tokens, len(tokens), sampler=build_sampler(params, self.vocab.n_vocab, self.ctx.n_ctx_seq))
+        sampler = build_sampler(params, self.vocab.n_vocab, self.ctx.n_ctx_seq)
+        seq = Sequence(index, prompt, params, tokens, len(tokens), sampler=sampler)
         if params.uses_penalties:
             for token in tokens:  # penalties look back over the prompt too, as llama.cpp's server does
                 seq.sampler.accept(token)
         self.scheduler.add(seq)
         return seq
+
+    def submit(
+        self, prompts: Iterable[str], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Sequence]:
+        """Queue prompts (index = position in `prompts`). A prompt that cannot run comes back
+        already finished with its error; the others are unaffected."""
+        prompts = list(prompts)
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        else:
+            params = [params or SamplingParams()] * len(prompts)
+        return [self._submit_one(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+
+    def _submit_one(self, index: int, prompt: str, params: SamplingParams) -> Sequence:
+        try:
+            return self.add(prompt, params, index)
+        except PromptError as e:
+            return Sequence(index, prompt, params, [], 0, status=Status.FINISHED, finish_reason="error", error=str(e))
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         if self.config.chat:
@@ -105,31 +125,17 @@ class BatchEngine:
         if not scheduled:
             return []
         self._fill_batch(scheduled)
+        self.stats.decode_calls += 1
+        self.stats.sequence_slots += len(scheduled)
         try:
             self.ctx.decode(self.batch)
         except DecodeError as e:
             if e.code != KV_FULL:
                 raise
             return self._recover_kv_full(scheduled)
-        self.stats.decode_calls += 1
-        self.stats.sequence_slots += len(scheduled)
-        self.stats.batch_tokens += self.batch.n_tokens
         events = [event for seq in scheduled if (event := self._advance(seq)) is not None]
         self._record_step_time(started)
         return events
-
-    def submit(
-        self, prompts: Iterable[str], params: SamplingParams | list[SamplingParams] | None = None
-    ) -> list[Sequence]:
-        """Queue prompts (index = position in `prompts`). A prompt that cannot run comes back
-        already finished with its error; the others are unaffected."""
-        prompts = list(prompts)
-        if isinstance(params, list):
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        else:
-            params = [params or SamplingParams()] * len(prompts)
-        return [self._submit_one(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def run(self) -> Iterator[Event]:
         """Step until every queued sequence has finished, yielding each step's events."""
@@ -204,24 +210,15 @@ class BatchEngine:
             victim = self.scheduler.running[-1]  # the most recently admitted
             self.ctx.remove_sequence(victim.seq_id)
             self.scheduler.preempt(victim)
+            self.stats.preemptions += 1
             return []
         seq = self.scheduler.running[0]
         return [self._finish(seq, None, "", "length", "KV cache full: the sequence does not fit even alone")]
 
     def _record_step_time(self, started: float) -> None:
-        now = time.perf_counter()
-        self.stats.step_s += now - started
         if self.stats.first_step_at is None:
             self.stats.first_step_at = started
-        self.stats.last_step_at = now
-
-    def _submit_one(self, index: int, prompt: str, params: SamplingParams) -> Sequence:
-        try:
-            return self.add(prompt, params, index)
-        except PromptError as e:
-            seq = Sequence(index, prompt, params, [], 0, status=Status.FINISHED, finish_reason="error")
-            seq.error = str(e)
-            return seq
+        self.stats.last_step_at = time.perf_counter()
 
     # -- lifetime ----------------------------------------------------------------------
 

@@ -45,10 +45,9 @@ class RunStats:
 
     prompt_tokens_evaluated: int = 0
     completion_tokens: int = 0
-    decode_calls: int = 0
-    batch_tokens: int = 0  # tokens across all decode calls
+    decode_calls: int = 0  # every llama_decode call, including any that found the KV cache full
     sequence_slots: int = 0  # sum over decode calls of the sequences in the batch
-    step_s: float = 0.0  # time inside step(): build batch, decode, sample
+    preemptions: int = 0  # sequences sent back to the queue because the KV cache was full
     first_step_at: float | None = None
     last_step_at: float | None = None
 
@@ -72,6 +71,7 @@ class RunStats:
             "completion_tokens": self.completion_tokens,
             "decode_calls": self.decode_calls,
             "mean_active_sequences": round(self.mean_active_sequences, 3),
+            "preemptions": self.preemptions,
             "wall_s": round(self.wall_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
         }

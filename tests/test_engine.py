@@ -200,8 +200,10 @@ def test_a_sequence_stops_at_the_end_of_its_context(make_engine):
 def test_full_kv_cache_preempts_and_every_sequence_still_completes(make_engine, decode_calls):
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     prompts = PROMPTS[:6]
-    tight = make_engine(n_ctx=256, n_parallel=6, kv_unified=True).generate(prompts, params)
+    engine = make_engine(n_ctx=256, n_parallel=6, kv_unified=True)
+    tight = engine.generate(prompts, params)
     assert 1 in decode_calls  # llama_decode really ran out of KV cells
+    assert engine.stats.preemptions > 0 and engine.stats.decode_calls == len(decode_calls)
     assert all(r.finish_reason == "length" and r.completion_tokens == 60 for r in tight)
     ample = make_engine(n_ctx=2048, n_parallel=6, kv_unified=True).generate(prompts, params)
     # greedy on an F32 model: recomputing a preempted sequence's KV gives the same tokens
