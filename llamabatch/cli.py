@@ -11,11 +11,13 @@ from typing import Annotated, Optional
 import typer
 
 from . import display
-from .catalog import Catalog
+from .catalog import Catalog, ModelSpec
 from .engine import BatchEngine
 from .errors import LlamabatchError
 from .native import Model, init_backend
+from .results import Result
 from .sampling import SamplingParams
+from .sequence import Sequence
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -93,28 +95,37 @@ def run(
         n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, chat=chat, verbose=verbose,
     ) as engine:
         sequences = engine.submit(prompts, params)
-        if stream and not json_out:
-            with display.StreamView(prompts) as view:
-                for events in _steps(engine):
-                    view.update(events, sequences)
-        else:
-            with display.progress(len(prompts)) as bar:
-                task = bar.add_task("generate", total=len(prompts), completed=sum(s.finish_reason is not None for s in sequences))
-                for events in _steps(engine):
-                    bar.advance(task, sum(e.finish_reason is not None for e in events))
+        _drive(engine, sequences, live=stream and not json_out)
         results = [seq.result() for seq in sequences]
         stats = {"model": engine.model_name, "parallel": engine.config.n_parallel, **engine.stats.summary()}
+    _report(results, stats, json_out=json_out, streamed=stream)
+    if any(r.error for r in results):
+        raise typer.Exit(1)
+
+
+def _drive(engine: BatchEngine, sequences: list[Sequence], live: bool) -> None:
+    """Step the engine to the end, showing live text or a progress bar on the way."""
+    if live:
+        with display.StreamView([s.prompt for s in sequences]) as view:
+            while engine.has_work:
+                view.update(engine.step(), sequences)
+        return
+    with display.progress(len(sequences)) as bar:
+        task = bar.add_task("generate", total=len(sequences), completed=sum(s.finish_reason is not None for s in sequences))
+        while engine.has_work:
+            bar.advance(task, sum(e.finish_reason is not None for e in engine.step()))
+
+
+def _report(results: list[Result], stats: dict, json_out: bool, streamed: bool) -> None:
     if json_out:
         for result in results:
             display.json_line(_result_json(result))
         display.json_line({"summary": stats})
-    else:
-        if not stream:
-            for result in results:
-                display.completion(result)
-        display.summary(stats)
-    if any(r.error for r in results):
-        raise typer.Exit(1)
+        return
+    if not streamed:  # the live view already printed each completion
+        for result in results:
+            display.completion(result)
+    display.summary(stats)
 
 
 @command
@@ -130,7 +141,7 @@ def models(config: CatalogOpt = None, json_out: JsonOpt = False, verbose: Verbos
         display.models_table(rows)
 
 
-def _model_row(spec) -> dict:
+def _model_row(spec: ModelSpec) -> dict:
     row = {"name": spec.name, "source": spec.source, "available": spec.is_available(), "description": spec.description}
     if not row["available"]:
         return row
@@ -142,11 +153,6 @@ def _model_row(spec) -> dict:
             trained_ctx=model.n_ctx_train, file_bytes=path.stat().st_size, path=str(path),
         )
     return row
-
-
-def _steps(engine: BatchEngine):
-    while engine.has_work:
-        yield engine.step()
 
 
 def _gather_prompts(
@@ -193,7 +199,7 @@ def _parse_jsonl_entry(line: str, where: str) -> tuple[str, dict]:
     return prompt, entry
 
 
-def _result_json(result) -> dict:
+def _result_json(result: Result) -> dict:
     data = result.to_dict()
     data.pop("token_ids")
     if data["error"] is None:

@@ -135,11 +135,6 @@ class Model(_Owner):
     def n_ctx_train(self) -> int:
         return llama_cpp.llama_model_n_ctx_train(self.handle)
 
-    def meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(256)
-        n = llama_cpp.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
-        return buf.value.decode() if n >= 0 else None
-
     def apply_chat_template(self, messages: list[dict[str, str]], fallback: str | None = None) -> str:
         """Render messages with the model's template, ending with the assistant's turn.
 
@@ -200,10 +195,6 @@ class Context(_Owner):
     def remove_sequence(self, seq_id: int, from_pos: int = 0) -> None:
         """Free a sequence's KV cells at positions >= from_pos (all of them by default)."""
         llama_cpp.llama_memory_seq_rm(self._memory, seq_id, from_pos, -1)
-
-    def sequence_end(self, seq_id: int) -> int:
-        """Highest position stored for the sequence, or -1 when it has none."""
-        return llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)
 
 
 class Batch(_Owner):

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own reference tools, llama-batched-bench and llama-server, from the
+# llama.cpp sources vendored in the sdist of the installed llama-cpp-python: the same
+# llama.cpp version as the binding, so native and llamabatch figures compare fairly.
+#
+#   scripts/build_native.sh            # prints the folder holding the binaries
+#   CMAKE_ARGS="-DGGML_CUDA=on" scripts/build_native.sh
+#
+# The binaries land in ${LLAMABATCH_NATIVE_DIR:-~/.cache/llamabatch/native/VERSION}/bin.
+set -euo pipefail
+
+version=$(python -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))")
+dest=${LLAMABATCH_NATIVE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/llamabatch/native/$version}
+tools=(llama-batched-bench llama-server)
+
+if [ -x "$dest/bin/llama-batched-bench" ] && [ -x "$dest/bin/llama-server" ]; then
+    echo "$dest/bin"
+    exit 0
+fi
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$version" -d "$work" >&2
+tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
+src="$work/llama_cpp_python-$version/vendor/llama.cpp"
+
+# Static binaries, so they run from the cache folder without the build tree's libraries.
+# shellcheck disable=SC2086  # CMAKE_ARGS is a list of flags, as pip's build reads it
+cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF ${CMAKE_ARGS:-} >&2
+cmake --build "$work/build" --target "${tools[@]}" -j "$(nproc)" >&2
+
+mkdir -p "$dest/bin"
+for tool in "${tools[@]}"; do
+    cp "$work/build/bin/$tool" "$dest/bin/"
+done
+echo "$dest/bin"
