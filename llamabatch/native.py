@@ -7,6 +7,7 @@ Each class holds one handle and frees it exactly once in close() (or on leaving 
 from __future__ import annotations
 
 import ctypes
+import sys
 from pathlib import Path
 
 import llama_cpp
@@ -22,10 +23,15 @@ def _drop_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     pass
 
 
+@llama_cpp.llama_log_callback
+def _log_to_stderr(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    sys.stderr.write(text.decode(errors="replace"))
+
+
 def init_backend(verbose: bool = False) -> None:
     """Initialise llama.cpp once per process; its log goes to stderr only when verbose."""
     global _backend_ready
-    llama_cpp.llama_log_set(None if verbose else _drop_log, None)
+    llama_cpp.llama_log_set(_log_to_stderr if verbose else _drop_log, None)
     if not _backend_ready:
         llama_cpp.llama_backend_init()
         _backend_ready = True

@@ -65,6 +65,14 @@ def test_plain_output_and_stream_show_each_completion(tiny_model):
         assert "decode calls" in result.stdout
 
 
+def test_llama_cpp_log_shows_only_with_verbose(tiny_model):
+    quiet = invoke("run", "-m", tiny_model, "-p", "hi", "--max-tokens", 2, "--ctx", 1024)
+    loud = invoke("run", "-m", tiny_model, "-p", "hi", "--max-tokens", 2, "--ctx", 1024, "--verbose")
+    assert quiet.exit_code == loud.exit_code == 0
+    assert "llama_" not in quiet.stderr
+    assert "llama_context" in loud.stderr  # llama.cpp describing the context it made
+
+
 def test_a_bad_prompt_in_a_list_fails_alone_and_exits_non_zero(tiny_model):
     result = invoke("run", "-m", tiny_model, "-p", "hello", "-p", "", "-p", "world", "--max-tokens", 3, "--json", "--ctx", 1024)
     assert result.exit_code == 1
