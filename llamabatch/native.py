@@ -198,6 +198,10 @@ class Context(_Owner):
         if code != 0:
             raise DecodeError(code)
 
+    def logits(self, row: int, n_vocab: int) -> np.ndarray:
+        """The logits of batch row `row` from the last decode (a view, valid until the next one)."""
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.handle, row), shape=(n_vocab,))
+
     def remove_sequence(self, seq_id: int, from_pos: int = 0) -> None:
         """Free a sequence's KV cells at positions >= from_pos (all of them by default)."""
         llama_cpp.llama_memory_seq_rm(self._memory, seq_id, from_pos, -1)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import llama_cpp
 
 from .errors import SamplingError
-from .native import SamplerChain
+from .native import Context, SamplerChain
 
 MAX_SEED = 2**32 - 2  # 2**32 - 1 is llama.cpp's "pick a random seed"
 
@@ -61,8 +61,29 @@ class SamplingParams:
         return (self.repeat_penalty, self.presence_penalty, self.frequency_penalty) != (1.0, 0.0, 0.0)
 
 
-def build_sampler(params: SamplingParams, n_vocab: int, n_ctx: int) -> SamplerChain:
-    """The chain llama.cpp's own tools use: penalties, then truncation, temperature, draw."""
+class GreedySampler:
+    """Argmax over one row of logits, for greedy sampling without penalties.
+
+    Same choice as llama.cpp's greedy sampler (the first highest logit), about ten times
+    cheaper: the chain copies every logit into a candidate array first, which for a
+    262k-token vocabulary costs ~0.5 ms per sequence per step.
+    """
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+
+    def sample(self, ctx: Context, row: int) -> int:
+        return int(ctx.logits(row, self.n_vocab).argmax())
+
+    def close(self) -> None:
+        pass  # owns nothing native
+
+
+def build_sampler(params: SamplingParams, n_vocab: int, n_ctx: int) -> GreedySampler | SamplerChain:
+    """Plain greedy gets an argmax; anything else the chain llama.cpp's own tools use:
+    penalties, then truncation, temperature, and a seeded draw."""
+    if params.temperature == 0 and not params.uses_penalties:
+        return GreedySampler(n_vocab)
     chain = SamplerChain()
     if params.uses_penalties:
         # The native sampler reads -1 as 0 (off); "whole context" is ours to spell out.

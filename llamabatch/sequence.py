@@ -8,7 +8,7 @@ from enum import Enum
 
 from .native import SamplerChain
 from .results import Result, Timings
-from .sampling import SamplingParams
+from .sampling import GreedySampler, SamplingParams
 from .text import TextStream
 
 
@@ -25,7 +25,7 @@ class Sequence:
     params: SamplingParams
     tokens: list[int]  # prompt token ids, then generated ones
     n_prompt: int
-    sampler: SamplerChain | None = None
+    sampler: GreedySampler | SamplerChain | None = None
     text: TextStream = field(init=False)
     status: Status = Status.WAITING
     seq_id: int = -1  # llama.cpp sequence id while RUNNING

@@ -1,7 +1,8 @@
 import pytest
 
 from llamabatch import SamplingError, SamplingParams
-from llamabatch.sampling import build_sampler
+from llamabatch.native import SamplerChain
+from llamabatch.sampling import GreedySampler, build_sampler
 
 
 @pytest.mark.parametrize(
@@ -31,13 +32,18 @@ def test_stop_list_becomes_a_tuple():
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
 
 
+def test_plain_greedy_needs_no_native_chain():
+    assert isinstance(build_sampler(SamplingParams(temperature=0), n_vocab=300, n_ctx=256), GreedySampler)
+
+
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(temperature=0), SamplingParams(), SamplingParams(repeat_penalty=1.3, top_k=0, top_p=1, min_p=0)],
+    [SamplingParams(temperature=0, repeat_penalty=1.1), SamplingParams(),
+     SamplingParams(repeat_penalty=1.3, top_k=0, top_p=1, min_p=0)],
 )
-def test_every_configuration_builds_a_native_chain(params):
+def test_every_other_configuration_builds_a_native_chain(params):
     chain = build_sampler(params, n_vocab=300, n_ctx=256)
-    assert not chain.closed
+    assert isinstance(chain, SamplerChain) and not chain.closed
     chain.close()
     chain.close()  # a second close is a no-op
     assert chain.closed
