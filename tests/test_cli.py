@@ -74,7 +74,8 @@ def test_llama_cpp_log_shows_only_with_verbose(tiny_model):
 
 
 def test_a_bad_prompt_in_a_list_fails_alone_and_exits_non_zero(tiny_model):
-    result = invoke("run", "-m", tiny_model, "-p", "hello", "-p", "", "-p", "world", "--max-tokens", 3, "--json", "--ctx", 1024)
+    result = invoke("run", "-m", tiny_model, "-p", "hello", "-p", "", "-p", "world", "--max-tokens", 3,
+                    "--ignore-eos", "--seed", 1, "--json", "--ctx", 1024)
     assert result.exit_code == 1
     lines = json_lines(result.stdout)
     assert [c.get("error") for c in lines[:-1]] == [None, "empty prompt", None]
