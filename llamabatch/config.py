@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -43,9 +42,6 @@ class EngineConfig:
         )
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
-
-    def replace(self, **changes) -> EngineConfig:
-        return dataclasses.replace(self, **changes)
 
     def _problems(self):
         for name in ("n_ctx", "n_batch", "n_ubatch", "n_parallel", "n_threads"):

@@ -43,6 +43,8 @@ def test_one_decode_call_per_step_whatever_the_number_of_sequences(make_engine, 
     assert len(decode_calls) == steps == engine.stats.decode_calls
     assert engine.stats.mean_active_sequences == n_seqs
     assert engine.stats.completion_tokens == n_seqs * GREEDY.max_tokens
+    engine.reset_stats()  # a fresh count for the next run
+    assert engine.stats.decode_calls == engine.stats.completion_tokens == 0
 
 
 def test_batch_rows_hold_positions_seq_ids_and_logits_flags(make_engine):
