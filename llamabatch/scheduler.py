@@ -54,19 +54,21 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         """A running sequence finished: give its slot back."""
-        self.running.remove(seq)
-        heapq.heappush(self._free_ids, seq.seq_id)
-        seq.seq_id = -1
+        self._give_back_slot(seq)
         seq.status = Status.FINISHED
         self._kv_full = False
 
     def preempt(self, seq: Sequence) -> None:
         """Take a running sequence's slot back; it re-enters first and re-prefills all its tokens."""
-        self.running.remove(seq)
-        heapq.heappush(self._free_ids, seq.seq_id)
-        seq.seq_id, seq.n_past, seq.status = -1, 0, Status.WAITING
+        self._give_back_slot(seq)
+        seq.n_past, seq.status = 0, Status.WAITING
         self.waiting.appendleft(seq)
         self._kv_full = True
+
+    def _give_back_slot(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        heapq.heappush(self._free_ids, seq.seq_id)
+        seq.seq_id = -1
 
     def _admit(self) -> None:
         while self.waiting and self._free_ids and not (self._kv_full and self.running):
