@@ -106,9 +106,9 @@ def run(
 def _drive(engine: BatchEngine, sequences: list[Sequence], live: bool) -> None:
     """Step the engine to the end, showing live text or a progress bar on the way."""
     if live:
-        with display.StreamView([s.prompt for s in sequences]) as view:
+        with display.StreamView(sequences) as view:
             while engine.has_work:
-                view.update(engine.step(), sequences)
+                view.update(engine.step())
         return
     with display.progress(len(sequences)) as bar:
         task = bar.add_task("generate", total=len(sequences), completed=sum(s.finish_reason is not None for s in sequences))

@@ -29,13 +29,14 @@ def json_line(obj: dict) -> None:
     sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
 
 
-def completion(result: Result) -> None:
-    out.rule(Text(f"[{result.index}] {_one_line(result.prompt, 70)}", style="bold"), align="left")
+def completion(result: Result, console: Console = out) -> None:
+    """A finished prompt: header, prompt (dim) and completion, then how it ended; errors to stderr."""
+    console.rule(Text(f"[{result.index}] {_one_line(result.prompt, 70)}", style="bold"), align="left")
     if result.error:
         error_line(f"prompt {result.index}: {result.error}")
         return
-    out.print(Text(result.prompt, style="dim"), Text(result.text), sep="", soft_wrap=True)
-    out.print(
+    console.print(Text(result.prompt, style="dim"), Text(result.text), sep="", soft_wrap=True)
+    console.print(
         f"[dim]{result.finish_reason} · {result.prompt_tokens} prompt + "
         f"{result.completion_tokens} completion tokens · ttft {result.timings.ttft_s * 1000:.0f} ms[/]"
     )
@@ -59,8 +60,8 @@ def progress(total: int) -> Progress:
 class StreamView:
     """Live view of the running sequences' text; each one's full completion prints above it when done."""
 
-    def __init__(self, prompts: list[str], max_rows: int = 12) -> None:
-        self.prompts = prompts
+    def __init__(self, sequences: list[Sequence], max_rows: int = 12) -> None:
+        self.sequences = sequences
         self.text: dict[int, str] = {}
         self.done = 0
         self.max_rows = max_rows
@@ -68,19 +69,26 @@ class StreamView:
 
     def __enter__(self) -> StreamView:
         self.live.__enter__()
+        # Prompts rejected at submission never reach a step: report them now.
+        for seq in self.sequences:
+            if seq.finish_reason is not None:
+                self._print_finished(seq)
         return self
 
     def __exit__(self, *exc) -> None:
         self.live.__exit__(*exc)
 
-    def update(self, events: Iterable[Event], sequences: list[Sequence]) -> None:
+    def update(self, events: Iterable[Event]) -> None:
         for event in events:
             self.text[event.index] = self.text.get(event.index, "") + event.text
             if event.finish_reason is not None:
                 self.text.pop(event.index)
-                self.done += 1
-                self.live.console.print(_streamed(sequences[event.index].result()))
+                self._print_finished(self.sequences[event.index])
         self.live.update(self._render())
+
+    def _print_finished(self, seq: Sequence) -> None:
+        self.done += 1
+        completion(seq.result(), self.live.console)
 
     def _render(self) -> Group:
         rows = Table(show_header=False, box=None, expand=True)
@@ -88,16 +96,8 @@ class StreamView:
         rows.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
         for index, text in list(self.text.items())[: self.max_rows]:
             rows.add_row(f"[{index}]", Text(_one_line(text[-200:], 200)))
-        footer = Text(f"{self.done}/{len(self.prompts)} done, {len(self.text)} streaming", style="dim")
+        footer = Text(f"{self.done}/{len(self.sequences)} done, {len(self.text)} streaming", style="dim")
         return Group(rows, footer)
-
-
-def _streamed(result: Result) -> Group:
-    head = Text(f"[{result.index}] {_one_line(result.prompt, 70)}", style="bold")
-    if result.error:
-        return Group(head, Text(f"error: {result.error}", style="red"))
-    tail = Text(f"{result.finish_reason} · {result.completion_tokens} tokens", style="dim")
-    return Group(head, Text(result.text), tail)
 
 
 def models_table(rows: list[dict]) -> None:

@@ -82,6 +82,13 @@ def test_a_bad_prompt_in_a_list_fails_alone_and_exits_non_zero(tiny_model):
     assert [c["completion_tokens"] for c in lines[:-1]] == [3, 0, 3]
 
 
+def test_stream_reports_a_rejected_prompt(tiny_model):
+    result = invoke("run", "-m", tiny_model, "-p", "hello", "-p", "", "--max-tokens", 3, "--ctx", 1024, "--stream")
+    assert result.exit_code == 1
+    assert "error: prompt 1: empty prompt" in result.stderr
+    assert "[0] hello" in result.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
