@@ -71,6 +71,7 @@ def run(
     seed: Annotated[Optional[int], typer.Option(help="Same seed + same batch = same output.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable); not included in the text.")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Generate past end-of-generation tokens.")] = False,
+    n: Annotated[int, typer.Option("-n", "--n", help="Samples per prompt; they share its KV (sample k: seed + k).")] = 1,
     parallel: ParallelOpt = None,
     ctx: CtxOpt = None,
     batch_size: BatchOpt = None,
@@ -87,7 +88,7 @@ def run(
     base = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repeat_penalty=repeat_penalty, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos,
+        seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, n=n,
     )
     prompts, params = _gather_prompts(prompt or [], prompts_file, base)
     with BatchEngine(
@@ -202,6 +203,7 @@ def _parse_jsonl_entry(line: str, where: str) -> tuple[str, dict]:
 def _result_json(result: Result) -> dict:
     data = result.to_dict()
     data.pop("token_ids")
+    data.pop("n_samples")
     if data["error"] is None:
         data.pop("error")
     return data

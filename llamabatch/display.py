@@ -31,9 +31,9 @@ def json_line(obj: dict) -> None:
 
 def completion(result: Result, console: Console = out) -> None:
     """A finished prompt: header, prompt (dim) and completion, then how it ended; errors to stderr."""
-    console.rule(Text(f"[{result.index}] {_one_line(result.prompt, 70)}", style="bold"), align="left")
+    console.rule(Text(f"[{_label(result)}] {_one_line(result.prompt, 70)}", style="bold"), align="left")
     if result.error:
-        error_line(f"prompt {result.index}: {result.error}")
+        error_line(f"prompt {_label(result)}: {result.error}")
         return
     console.print(Text(result.prompt, style="dim"), Text(result.text), sep="", soft_wrap=True)
     console.print(
@@ -61,8 +61,9 @@ class StreamView:
     """Live view of the running sequences' text; each one's full completion prints above it when done."""
 
     def __init__(self, sequences: list[Sequence], max_rows: int = 12) -> None:
-        self.sequences = sequences
-        self.text: dict[int, str] = {}
+        self.sequences = {(seq.index, seq.sample): seq for seq in sequences}
+        self.labels = {key: _label(seq.result()) for key, seq in self.sequences.items()}
+        self.text: dict[tuple[int, int], str] = {}
         self.done = 0
         self.max_rows = max_rows
         self.live = Live(self._render(), console=out, refresh_per_second=12, transient=True)
@@ -70,7 +71,7 @@ class StreamView:
     def __enter__(self) -> StreamView:
         self.live.__enter__()
         # Prompts rejected at submission never reach a step: report them now.
-        for seq in self.sequences:
+        for seq in self.sequences.values():
             if seq.finish_reason is not None:
                 self._print_finished(seq)
         return self
@@ -80,10 +81,11 @@ class StreamView:
 
     def update(self, events: Iterable[Event]) -> None:
         for event in events:
-            self.text[event.index] = self.text.get(event.index, "") + event.text
+            key = (event.index, event.sample)
+            self.text[key] = self.text.get(key, "") + event.text
             if event.finish_reason is not None:
-                self.text.pop(event.index)
-                self._print_finished(self.sequences[event.index])
+                self.text.pop(key)
+                self._print_finished(self.sequences[key])
         self.live.update(self._render())
 
     def _print_finished(self, seq: Sequence) -> None:
@@ -94,8 +96,8 @@ class StreamView:
         rows = Table(show_header=False, box=None, expand=True)
         rows.add_column(width=6, style="bold cyan")
         rows.add_column(ratio=1, no_wrap=True, overflow="ellipsis")
-        for index, text in list(self.text.items())[: self.max_rows]:
-            rows.add_row(f"[{index}]", Text(_one_line(text[-200:], 200)))
+        for key, text in list(self.text.items())[: self.max_rows]:
+            rows.add_row(f"[{self.labels[key]}]", Text(_one_line(text[-200:], 200)))
         footer = Text(f"{self.done}/{len(self.sequences)} done, {len(self.text)} streaming", style="dim")
         return Group(rows, footer)
 
@@ -123,6 +125,11 @@ def _human(value: int | None, unit: str) -> str:
             return f"{value:.0f}{prefix}{unit}" if prefix == "" else f"{value:.1f}{prefix}{unit}"
         value /= 1000
     return f"{value:.1f}P{unit}"
+
+
+def _label(result: Result) -> str:
+    """A prompt's number, with the sample's after a dot when it has more than one."""
+    return f"{result.index}.{result.sample}" if result.n_samples > 1 else str(result.index)
 
 
 def _one_line(text: str, width: int) -> str:

@@ -60,52 +60,67 @@ class BatchEngine:
             self.model.close()
             raise
         self.vocab = self.model.vocab
-        self.batch = Batch(cfg.n_batch)
-        self.scheduler = Scheduler(cfg.n_parallel, cfg.n_batch)
+        self.batch = Batch(self.ctx.n_batch)
+        self.scheduler = Scheduler(cfg.n_parallel, self.ctx.n_batch)
         self.stats = RunStats()
         self._next_index = 0
 
     # -- submitting work -------------------------------------------------------------
 
-    def add(self, prompt: str, params: SamplingParams | None = None, index: int | None = None) -> Sequence:
-        """Queue one prompt. Raises PromptError when it cannot run; nothing is queued then."""
+    def add(
+        self, prompt: str | list[int], params: SamplingParams | None = None, index: int | None = None
+    ) -> list[Sequence]:
+        """Queue a prompt (text, or token ids) for params.n samples, which share its KV.
+        Raises PromptError when it cannot run; nothing is queued then."""
         params = params or SamplingParams()
         if index is None:
             index, self._next_index = self._next_index, self._next_index + 1
-        if not prompt:
+        if len(prompt) == 0:
             raise PromptError("empty prompt")
-        tokens = self.tokenize_prompt(prompt)
+        if isinstance(prompt, str):
+            tokens = self.tokenize_prompt(prompt)
+        else:
+            tokens, prompt = list(prompt), self.vocab.detokenize(prompt)
         if len(tokens) > self.ctx.n_ctx_seq:
             raise PromptError(
                 f"prompt is {len(tokens)} tokens, longer than the {self.ctx.n_ctx_seq}-token context "
                 "of one sequence (raise --ctx or lower --parallel)"
             )
+        sequences = [self._new_sequence(index, k, prompt, tokens, p) for k, p in enumerate(params.per_sample())]
+        for seq in sequences:
+            self.scheduler.add(seq)
+        return sequences
+
+    def _new_sequence(self, index: int, sample: int, prompt: str, tokens: list[int], params: SamplingParams) -> Sequence:
         sampler = build_sampler(params, self.vocab.n_vocab, self.ctx.n_ctx_seq)
-        seq = Sequence(index, prompt, params, tokens, len(tokens), sampler=sampler)
+        seq = Sequence(index, prompt, params, list(tokens), len(tokens), sampler=sampler, sample=sample)
         if params.uses_penalties:
             for token in tokens:  # penalties look back over the prompt too, as llama.cpp's server does
                 seq.sampler.accept(token)
-        self.scheduler.add(seq)
         return seq
 
     def submit(
-        self, prompts: Iterable[str], params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Sequence]:
-        """Queue prompts (index = position in `prompts`). A prompt that cannot run comes back
-        already finished with its error; the others are unaffected."""
+        """Queue prompts (index = position in `prompts`); n samples each, in order. A prompt that
+        cannot run comes back already finished with its error; the others are unaffected."""
         prompts = list(prompts)
         if isinstance(params, list):
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         else:
             params = [params or SamplingParams()] * len(prompts)
-        return [self._submit_one(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        return [seq for i, (p, sp) in enumerate(zip(prompts, params)) for seq in self._submit_one(i, p, sp)]
 
-    def _submit_one(self, index: int, prompt: str, params: SamplingParams) -> Sequence:
+    def _submit_one(self, index: int, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
         try:
             return self.add(prompt, params, index)
         except PromptError as e:
-            return Sequence(index, prompt, params, [], 0, status=Status.FINISHED, finish_reason="error", error=str(e))
+            prompt = prompt if isinstance(prompt, str) else ""
+            return [
+                Sequence(index, prompt, p, [], 0, sample=k, status=Status.FINISHED, finish_reason="error", error=str(e))
+                for k, p in enumerate(params.per_sample())
+            ]
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         if self.config.chat:
@@ -119,8 +134,10 @@ class BatchEngine:
         return self.scheduler.has_work
 
     def step(self) -> list[Event]:
-        """Schedule, fill one batch, decode it once, sample each sequence that is due a token."""
+        """Admit, schedule, fill one batch, decode it once, sample each sequence that is due a token."""
         started = time.perf_counter()
+        for seq in self.scheduler.admit():
+            self._take_cached_prefix(seq)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -133,7 +150,7 @@ class BatchEngine:
             if e.code != KV_FULL:
                 raise
             return self._recover_kv_full(scheduled)
-        events = [event for seq in scheduled if (event := self._advance(seq)) is not None]
+        events = [event for seq in scheduled for event in self._advance(seq)]
         self._record_step_time(started)
         return events
 
@@ -143,27 +160,34 @@ class BatchEngine:
             yield from self.step()
 
     def generate(
-        self, prompts: Iterable[str], params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Result]:
-        """Run prompts to completion; results in input order. A bad prompt fails only its own result."""
+        """Run prompts to completion; results in input order (n per prompt when params.n > 1).
+        A bad prompt fails only its own results."""
         sequences = self.submit(prompts, params)
         for _ in self.run():
             pass
         return [seq.result() for seq in sequences]
 
     def stream(
-        self, prompts: Iterable[str], params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> Iterator[Event]:
         """Run prompts, yielding each token's event as it is sampled (Event.index is the input position)."""
         for seq in self.submit(prompts, params):
             if seq.status is Status.FINISHED:
-                yield Event(seq.index, None, "", "error", seq.error)
+                yield self._event(seq, None, "", "error", seq.error)
         yield from self.run()
 
     def reset_stats(self) -> None:
         self.stats = RunStats()
 
     # -- inside a step ---------------------------------------------------------------
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """Keep the part of the slot's cached KV the scheduler matched (if still usable), drop the rest."""
+        seq.n_past = self.ctx.reusable(seq.seq_id, seq.n_past)
+        self.ctx.remove_sequence(seq.seq_id, from_pos=seq.n_past)
+        self.stats.prompt_tokens_reused += min(seq.n_past, seq.n_prompt)
 
     def _fill_batch(self, scheduled: list[Sequence]) -> None:
         self.batch.clear()
@@ -172,12 +196,27 @@ class BatchEngine:
             row = self.batch.add(seq.chunk(), seq.n_past, seq.seq_id, logits_last=samples)
             seq.i_batch = row if samples else -1
 
-    def _advance(self, seq: Sequence) -> Event | None:
-        """The decode took the chunk into the KV cache; sample if the sequence is due a token."""
+    def _advance(self, seq: Sequence) -> Iterator[Event]:
+        """The decode took the chunk into the KV cache: hand the prefix to followers that wait for
+        exactly this much of it, then sample if the sequence is due a token."""
         self.stats.prompt_tokens_evaluated += max(0, min(seq.n_chunk, seq.n_prompt - seq.n_past))
         seq.n_past += seq.n_chunk
-        if seq.i_batch < 0:
-            return None
+        for follower in [f for f in seq.followers if f.n_shared == seq.n_past]:
+            yield from self._share_prefix(seq, follower)
+        if seq.i_batch >= 0:
+            yield self._sample(seq)
+
+    def _share_prefix(self, leader: Sequence, follower: Sequence) -> Iterator[Event]:
+        self.ctx.copy_prefix(leader.seq_id, follower.seq_id, follower.n_shared)
+        leader.followers.remove(follower)
+        follower.leader = None
+        self.stats.prompt_tokens_reused += follower.n_shared - min(follower.n_past, follower.n_shared)
+        follower.n_past = follower.n_shared
+        if follower.n_pending == 0:  # the whole prompt is shared: sample from the leader's logits
+            follower.i_batch = leader.i_batch
+            yield self._sample(follower)
+
+    def _sample(self, seq: Sequence) -> Event:
         token = seq.sampler.sample(self.ctx, seq.i_batch)
         seq.tokens.append(token)
         self.stats.completion_tokens += 1
@@ -191,21 +230,31 @@ class BatchEngine:
         # The new token is decoded at position len(tokens) - 1 next step: it needs a cell.
         if seq.n_generated >= seq.params.max_tokens or len(seq.tokens) > self.ctx.n_ctx_seq:
             return self._finish(seq, token, text, "length")
-        return Event(seq.index, token, text)
+        return self._event(seq, token, text)
 
     def _finish(self, seq: Sequence, token: int | None, text: str, reason: str, error: str | None = None) -> Event:
+        """The sequence is done; its KV stays in its slot as a prefix cache for later prompts."""
         text += seq.text.finish()
         seq.finish_reason, seq.error = reason, error
         seq.t_finished = time.perf_counter()
-        self.ctx.remove_sequence(seq.seq_id)
         self.scheduler.release(seq)
         seq.sampler.close()
-        return Event(seq.index, token, text, reason, error)
+        return self._event(seq, token, text, reason, error)
+
+    @staticmethod
+    def _event(seq: Sequence, token: int | None, text: str, reason: str | None = None, error: str | None = None) -> Event:
+        return Event(seq.index, token, text, reason, error, seq.sample)
 
     def _recover_kv_full(self, scheduled: list[Sequence]) -> list[Event]:
-        """No KV slot for this batch: undo it, then make room by preempting or cutting a sequence."""
+        """No KV slot for this batch: undo it, then make room by dropping cached prefixes,
+        preempting the newest sequence, or (alone) cutting it short."""
         for seq in scheduled:  # drop whatever part of the batch llama.cpp did store
             self.ctx.remove_sequence(seq.seq_id, from_pos=seq.n_past)
+        evicted = self.scheduler.evict_cached()
+        for seq_id in evicted:
+            self.ctx.remove_sequence(seq_id)
+        if evicted and self.ctx.kv_unified:  # freed cells the batch can use: retry as it was
+            return []
         if len(self.scheduler.running) > 1:
             victim = self.scheduler.running[-1]  # the most recently admitted
             self.ctx.remove_sequence(victim.seq_id)
@@ -213,6 +262,8 @@ class BatchEngine:
             self.stats.preemptions += 1
             return []
         seq = self.scheduler.running[0]
+        self.ctx.remove_sequence(seq.seq_id)
+        seq.n_past = 0  # its slot keeps nothing
         return [self._finish(seq, None, "", "length", "KV cache full: the sequence does not fit even alone")]
 
     def _record_step_time(self, started: float) -> None:

@@ -178,6 +178,7 @@ class Context(_Owner):
         params.n_seq_max = n_seq_max
         params.n_threads = params.n_threads_batch = n_threads
         params.kv_unified = kv_unified
+        params.swa_full = False  # as llama.cpp's own tools: sliding-window layers keep only their window
         params.no_perf = True
         handle = llama_cpp.llama_init_from_model(model.handle, params)
         if not handle:
@@ -189,6 +190,9 @@ class Context(_Owner):
         self._memory = llama_cpp.llama_get_memory(handle)
         self.n_ctx = llama_cpp.llama_n_ctx(handle)
         self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(handle)
+        self.n_batch = llama_cpp.llama_n_batch(handle)  # llama.cpp caps it at n_ctx
+        self.kv_unified = kv_unified
+        self.n_swa = llama_cpp.llama_model_n_swa(model.handle)
 
     def _free(self, handle) -> None:
         llama_cpp.llama_free(handle)
@@ -205,6 +209,24 @@ class Context(_Owner):
     def remove_sequence(self, seq_id: int, from_pos: int = 0) -> None:
         """Free a sequence's KV cells at positions >= from_pos (all of them by default)."""
         llama_cpp.llama_memory_seq_rm(self._memory, seq_id, from_pos, -1)
+
+    def copy_prefix(self, src: int, dst: int, n_tokens: int) -> None:
+        """Make dst's KV the first n_tokens positions of src's (src must hold exactly those when the
+        cache is per-sequence: llama.cpp copies only whole per-sequence buffers)."""
+        if self.kv_unified:  # shared cells: only their sequence sets change
+            self.remove_sequence(dst)
+            llama_cpp.llama_memory_seq_cp(self._memory, src, dst, 0, n_tokens)
+        else:
+            llama_cpp.llama_memory_seq_cp(self._memory, src, dst, -1, -1)
+            self.remove_sequence(dst, from_pos=n_tokens)
+
+    def reusable(self, seq_id: int, n_tokens: int) -> int:
+        """How many of seq's first n_tokens cached positions can be continued from: all, or none when
+        sliding-window layers have already dropped cells the next tokens would attend to."""
+        if n_tokens == 0 or self.n_swa == 0:
+            return n_tokens
+        pos_min = llama_cpp.llama_memory_seq_pos_min(self._memory, seq_id)
+        return n_tokens if 0 <= pos_min <= max(0, n_tokens - self.n_swa) else 0
 
 
 class Batch(_Owner):

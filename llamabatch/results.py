@@ -14,6 +14,7 @@ class Event:
     text: str  # newly shown text; may be empty (half a UTF-8 character, a possible stop prefix)
     finish_reason: str | None = None  # "stop", "length" or "error" on the last event
     error: str | None = None
+    sample: int = 0  # which of the prompt's n samples
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class Timings:
 @dataclass(frozen=True)
 class Result:
     index: int
+    sample: int  # 0..n_samples-1
+    n_samples: int
     prompt: str
     text: str
     token_ids: list[int]
@@ -48,6 +51,7 @@ class RunStats:
     decode_calls: int = 0  # every llama_decode call, including any that found the KV cache full
     sequence_slots: int = 0  # sum over decode calls of the sequences in the batch
     preemptions: int = 0  # sequences sent back to the queue because the KV cache was full
+    prompt_tokens_reused: int = 0  # prompt tokens whose KV came from another sequence or a slot's cache
     first_step_at: float | None = None
     last_step_at: float | None = None
 
@@ -68,6 +72,7 @@ class RunStats:
     def summary(self) -> dict:
         return {
             "prompt_tokens_evaluated": self.prompt_tokens_evaluated,
+            "prompt_tokens_reused": self.prompt_tokens_reused,
             "completion_tokens": self.completion_tokens,
             "decode_calls": self.decode_calls,
             "mean_active_sequences": round(self.mean_active_sequences, 3),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import llama_cpp
 
@@ -10,6 +10,7 @@ from .errors import SamplingError
 from .native import Context, SamplerChain
 
 MAX_SEED = 2**32 - 2  # 2**32 - 1 is llama.cpp's "pick a random seed"
+MAX_SAMPLES = 1024
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class SamplingParams:
     seed: int | None = None  # None = a random seed per sequence
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False  # keep generating past end-of-generation tokens (benchmarks)
+    n: int = 1  # samples of the prompt; they share its KV, sample k uses seed + k
 
     def __post_init__(self) -> None:
         # Lists from JSON or the CLI become tuples so params stay hashable and immutable.
@@ -53,8 +55,19 @@ class SamplingParams:
             yield f"penalty_last_n must be >= -1, got {self.penalty_last_n}"
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             yield f"seed must be in [0, {MAX_SEED}], got {self.seed}"
+        if not 1 <= self.n <= MAX_SAMPLES:
+            yield f"n must be in [1, {MAX_SAMPLES}], got {self.n}"
         if any(not s for s in self.stop):
             yield "stop strings must not be empty"
+
+    def per_sample(self) -> list[SamplingParams]:
+        """One set per sample, in order: sample k draws with seed + k, so n samples differ yet reproduce."""
+        if self.n == 1:
+            return [self]
+        return [
+            replace(self, seed=None if self.seed is None else (self.seed + k) % (MAX_SEED + 1))
+            for k in range(self.n)
+        ]
 
     @property
     def uses_penalties(self) -> bool:

@@ -1,20 +1,37 @@
-"""Which sequences go into the next batch, and how many tokens each brings."""
+"""Which sequences go into the next batch, how many tokens each brings, and which KV they reuse."""
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
-from .sequence import Sequence, Status
+from .sequence import Sequence, Status, common_prefix
+
+# Shorter shared prefixes are decoded again: waiting for a leader and pausing its prefill at
+# the shared length, or giving up another slot's cache, costs more than a few tokens of prefill.
+MIN_SHARED_PREFIX = 8
+
+
+@dataclass
+class Slot:
+    """One seq_id. A free slot keeps the KV of its last sequence, for a later prompt that starts alike."""
+
+    seq_id: int
+    cached: list[int] = field(default_factory=list)  # tokens at positions 0.. whose KV it holds
 
 
 class Scheduler:
-    """Owns the waiting queue and the running set; hands out seq_ids (slots).
+    """Owns the waiting queue, the running set and the slots.
 
     Each step every running sequence that is generating brings its one new token,
     so generation never stalls behind a long prompt; prompt prefill fills the rest
     of the n_batch token budget, in admission order, in chunks.
+
+    Prompt KV is shared two ways. A new sequence takes the free slot whose cached
+    tokens share the longest prefix with it (least recently used on a tie), keeping
+    that prefix. And a sequence admitted while another is still prefilling the same
+    prefix follows it: it waits, and gets the prefix copied once the leader has it.
     """
 
     def __init__(self, n_slots: int, n_batch: int) -> None:
@@ -23,7 +40,8 @@ class Scheduler:
         self.n_batch = n_batch
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._free_ids = list(range(n_slots))  # a heap: lowest free seq_id first
+        self._free: list[Slot] = [Slot(i) for i in range(n_slots)]  # empty first, then least recently used
+        self._slots: dict[int, Slot] = {}  # seq_id -> slot of each running sequence
         # After the KV cache ran full, admitting more would only fill it again: wait until
         # a running sequence finishes and frees its cells.
         self._kv_full = False
@@ -35,11 +53,25 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def admit(self) -> list[Sequence]:
+        """Move waiting sequences into free slots. Each comes back with n_past = the tokens its
+        slot's cache can give it; the engine checks that and trims the slot's KV to match."""
+        admitted = []
+        while self.waiting and self._free and not (self._kv_full and self.running):
+            seq = self.waiting.popleft()
+            slot, n_cached = self._take_slot(seq)
+            seq.seq_id, seq.status, seq.t_admitted = slot.seq_id, Status.RUNNING, time.perf_counter()
+            seq.n_past = min(n_cached, len(seq.tokens) - 1)  # the newest token is decoded again, for its logits
+            self._follow_a_leader(seq)
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
     def schedule(self) -> list[Sequence]:
         """The sequences for the next batch, each with n_chunk set; decoders first, then prefill."""
-        self._admit()
-        generating = [s for s in self.running if not s.is_prefilling]
-        prefilling = [s for s in self.running if s.is_prefilling]
+        ready = [s for s in self.running if s.leader is None]
+        generating = [s for s in ready if not s.is_prefilling]
+        prefilling = [s for s in ready if s.is_prefilling]
         budget = self.n_batch - len(generating)
         for seq in generating:
             seq.n_chunk = 1
@@ -47,33 +79,66 @@ class Scheduler:
         for seq in prefilling:
             if budget == 0:
                 break
-            seq.n_chunk = min(seq.n_pending, budget)
+            cap = seq.prefix_cap
+            seq.n_chunk = min(seq.n_pending, budget, cap - seq.n_past if cap else budget)
             budget -= seq.n_chunk
             scheduled.append(seq)
         return scheduled
 
     def release(self, seq: Sequence) -> None:
-        """A running sequence finished: give its slot back."""
-        self._give_back_slot(seq)
+        """A running sequence finished: its slot keeps its KV for a later prompt that shares a prefix."""
+        self._free.append(self._give_back_slot(seq, cached=seq.tokens[: seq.n_past]))
         seq.status = Status.FINISHED
         self._kv_full = False
 
     def preempt(self, seq: Sequence) -> None:
-        """Take a running sequence's slot back; it re-enters first and re-prefills all its tokens."""
-        self._give_back_slot(seq)
+        """Take a running sequence's slot (its KV already freed); it re-enters first and re-prefills."""
+        self._free.insert(0, self._give_back_slot(seq, cached=[]))
         seq.n_past, seq.status = 0, Status.WAITING
         self.waiting.appendleft(seq)
         self._kv_full = True
 
-    def _give_back_slot(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        heapq.heappush(self._free_ids, seq.seq_id)
-        seq.seq_id = -1
+    def evict_cached(self) -> list[int]:
+        """Forget every free slot's cached KV (the KV cache is full); returns their seq_ids to clear."""
+        evicted = [slot.seq_id for slot in self._free if slot.cached]
+        for slot in self._free:
+            slot.cached = []
+        return evicted
 
-    def _admit(self) -> None:
-        while self.waiting and self._free_ids and not (self._kv_full and self.running):
-            seq = self.waiting.popleft()
-            seq.seq_id = heapq.heappop(self._free_ids)
-            seq.status = Status.RUNNING
-            seq.t_admitted = time.perf_counter()
-            self.running.append(seq)
+    def _take_slot(self, seq: Sequence) -> tuple[Slot, int]:
+        """The free slot whose cache shares the longest prefix with seq, and that prefix's length;
+        without one worth keeping, the first slot: an empty one, else the least recently used."""
+        best, n_best = self._free[0], 0
+        for slot in self._free:
+            n = common_prefix(slot.cached, seq.tokens)
+            if n >= MIN_SHARED_PREFIX and n > n_best:
+                best, n_best = slot, n
+        self._free.remove(best)
+        self._slots[best.seq_id] = best
+        return best, n_best
+
+    def _give_back_slot(self, seq: Sequence, cached: list[int]) -> Slot:
+        self.running.remove(seq)
+        if seq.leader is not None:  # it never got its prefix
+            seq.leader.followers.remove(seq)
+            seq.leader = None
+        for follower in seq.followers:  # they prefill on their own now
+            follower.leader = None
+        seq.followers = []
+        slot = self._slots.pop(seq.seq_id)
+        slot.cached = cached
+        seq.seq_id = -1
+        return slot
+
+    def _follow_a_leader(self, seq: Sequence) -> None:
+        """Follow the running sequence still prefilling the longest prefix this one shares."""
+        best, n_best = None, max(seq.n_past, 0)
+        for other in self.running:
+            n = common_prefix(other.tokens, seq.tokens)
+            if n == len(seq.tokens) and len(other.tokens) > n:
+                n -= 1  # it must sample from the leader's logits, which exist only at its newest token
+            if n > n_best and n > other.n_past and n >= min(MIN_SHARED_PREFIX, len(seq.tokens)):
+                best, n_best = other, n
+        if best is not None:
+            seq.leader, seq.n_shared = best, n_best
+            best.followers.append(seq)

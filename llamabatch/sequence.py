@@ -6,10 +6,21 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from .native import SamplerChain
 from .results import Result, Timings
 from .sampling import GreedySampler, SamplingParams
 from .text import TextStream
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two token lists share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 class Status(Enum):
@@ -32,6 +43,12 @@ class Sequence:
     n_past: int = 0  # tokens already in the KV cache
     n_chunk: int = 0  # tokens the scheduler put in the current batch
     i_batch: int = -1  # batch row whose logits we sample from this step, or -1
+    sample: int = 0  # which of the prompt's n samples
+    # Prefix sharing: a follower waits (unscheduled) until its leader has n_shared tokens in
+    # the KV cache, then gets them copied instead of decoding them itself.
+    leader: Sequence | None = None
+    n_shared: int = 0
+    followers: list[Sequence] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     t_submitted: float = field(default_factory=time.perf_counter)
@@ -56,6 +73,11 @@ class Sequence:
         """More than one token to catch up on: a prompt, or a preempted sequence's history."""
         return self.n_pending > 1
 
+    @property
+    def prefix_cap(self) -> int | None:
+        """Where this sequence's prefill must pause so followers can copy its prefix."""
+        return min((f.n_shared for f in self.followers), default=None)
+
     def chunk(self) -> list[int]:
         return self.tokens[self.n_past : self.n_past + self.n_chunk]
 
@@ -69,6 +91,8 @@ class Sequence:
             )
         return Result(
             index=self.index,
+            sample=self.sample,
+            n_samples=self.params.n,
             prompt=self.prompt,
             text=self.text.text,
             token_ids=self.tokens[self.n_prompt :],

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import llama_cpp
 import pytest
 
 from llamabatch import BatchEngine
@@ -34,3 +35,17 @@ def make_engine(tiny_model):
     yield make
     for engine in engines:
         engine.close()
+
+
+@pytest.fixture
+def decode_calls(monkeypatch) -> list[int]:
+    """Return codes of every real llama_decode call made during the test."""
+    codes: list[int] = []
+    real = llama_cpp.llama_decode
+
+    def counting(ctx, batch):
+        codes.append(real(ctx, batch))
+        return codes[-1]
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", counting)
+    return codes

@@ -4,30 +4,15 @@ from __future__ import annotations
 
 from collections import Counter
 
-import llama_cpp
 import pytest
 
-from llamabatch import BatchEngine, PromptError, SamplingParams
+from llamabatch import PromptError, SamplingParams
 
 from reference import reference_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["hello world", "the capital of France is", "Once upon a time", "def fib(n):",
            "a", "and the", "to be or not", "Paris"]
-
-
-@pytest.fixture
-def decode_calls(monkeypatch) -> list[int]:
-    """Return codes of every real llama_decode call made during the test."""
-    codes: list[int] = []
-    real = llama_cpp.llama_decode
-
-    def counting(ctx, batch):
-        codes.append(real(ctx, batch))
-        return codes[-1]
-
-    monkeypatch.setattr(llama_cpp, "llama_decode", counting)
-    return codes
 
 
 @pytest.mark.parametrize("n_seqs", [1, 3, 8])

@@ -1,4 +1,5 @@
-"""Scheduler logic, without a model: admission into slots, decode-first batches, chunked prefill."""
+"""Scheduler logic, without a model: admission into slots, decode-first batches, chunked prefill,
+prefix reuse from a slot's cache and prefix sharing between sequences."""
 
 import pytest
 
@@ -7,15 +8,26 @@ from llamabatch.scheduler import Scheduler
 from llamabatch.sequence import Sequence, Status
 
 
-def seq(index: int, n_prompt: int) -> Sequence:
-    return Sequence(index, f"p{index}", SamplingParams(), list(range(n_prompt)), n_prompt)
+def seq(index: int, n_prompt: int, prefix: list[int] = ()) -> Sequence:
+    """A sequence whose tokens are unique to it, after an optional shared prefix."""
+    tokens = [*prefix, *range(1000 * (index + 1), 1000 * (index + 1) + n_prompt - len(prefix))]
+    return Sequence(index, f"p{index}", SamplingParams(), tokens, n_prompt)
+
+
+def schedule(sched: Scheduler) -> list[Sequence]:
+    sched.admit()
+    return sched.schedule()
 
 
 def run_chunks(scheduled: list[Sequence]) -> None:
-    """Pretend the batch was decoded and one token sampled for each sequence that was due one."""
+    """Pretend the batch was decoded and one token sampled for each sequence that was due one,
+    and hand prefixes to the followers that wait for them, as the engine does."""
     for s in scheduled:
         done = s.n_chunk == s.n_pending
         s.n_past += s.n_chunk
+        for f in [f for f in s.followers if f.n_shared == s.n_past]:
+            s.followers.remove(f)
+            f.leader, f.n_past = None, f.n_shared
         if done:
             s.tokens.append(999)
 
@@ -25,7 +37,7 @@ def test_more_sequences_than_slots_wait_in_order():
     seqs = [seq(i, 3) for i in range(5)]
     for s in seqs:
         sched.add(s)
-    scheduled = sched.schedule()
+    scheduled = schedule(sched)
     assert [s.index for s in scheduled] == [0, 1]
     assert [s.seq_id for s in scheduled] == [0, 1]
     assert [s.index for s in sched.waiting] == [2, 3, 4]
@@ -37,10 +49,10 @@ def test_released_slot_goes_to_the_next_waiting_sequence():
     seqs = [seq(i, 3) for i in range(3)]
     for s in seqs:
         sched.add(s)
-    run_chunks(sched.schedule())
+    run_chunks(schedule(sched))
     sched.release(seqs[0])
     assert seqs[0].status is Status.FINISHED and seqs[0].seq_id == -1
-    scheduled = sched.schedule()
+    scheduled = schedule(sched)
     assert seqs[2] in scheduled and seqs[2].seq_id == 0  # the freed id
 
 
@@ -48,15 +60,15 @@ def test_generating_sequences_come_first_and_prefill_fills_the_budget_in_chunks(
     sched = Scheduler(n_slots=3, n_batch=10)
     a, b = seq(0, 4), seq(1, 30)
     sched.add(a)
-    first = sched.schedule()
+    first = schedule(sched)
     assert [(s.index, s.n_chunk) for s in first] == [(0, 4)]
     run_chunks(first)
     sched.add(b)
-    second = sched.schedule()
+    second = schedule(sched)
     # a decodes its one new token; b's prompt takes the remaining 9 of 10 batch tokens
     assert [(s.index, s.n_chunk) for s in second] == [(0, 1), (1, 9)]
     run_chunks(second)
-    third = sched.schedule()
+    third = schedule(sched)
     assert [(s.index, s.n_chunk) for s in third] == [(0, 1), (1, 9)]
     assert sum(s.n_chunk for s in third) <= 10
 
@@ -66,11 +78,11 @@ def test_preempted_sequence_returns_to_the_front_and_reprefills_everything():
     a, b = seq(0, 5), seq(1, 5)
     sched.add(a)
     sched.add(b)
-    run_chunks(sched.schedule())
+    run_chunks(schedule(sched))
     sched.preempt(a)
     assert list(sched.waiting) == [a, b]
     assert a.n_past == 0 and a.status is Status.WAITING
-    again = sched.schedule()
+    again = schedule(sched)
     assert again == [a] and a.n_chunk == 6  # prompt + the token it had generated
 
 
@@ -84,8 +96,101 @@ def test_after_kv_full_nothing_is_admitted_until_a_sequence_finishes():
     a, b, c = seq(0, 4), seq(1, 4), seq(2, 4)
     for s in (a, b, c):
         sched.add(s)
-    run_chunks(sched.schedule())
+    run_chunks(schedule(sched))
     sched.preempt(c)  # the cache ran full
-    assert sched.schedule() == [a, b]  # c's slot is free, but c must wait
+    assert schedule(sched) == [a, b]  # c's slot is free, but c must wait
     sched.release(a)
-    assert c in sched.schedule()
+    assert c in schedule(sched)
+
+
+def test_a_free_slot_keeps_its_prompt_for_a_later_one_that_starts_alike():
+    sched = Scheduler(n_slots=2, n_batch=64)
+    system = list(range(500, 520))
+    a = seq(0, 30, prefix=system)
+    sched.add(a)
+    run_chunks(schedule(sched))
+    sched.release(a)  # a's slot 0 now caches its 31 tokens; slot 1 is empty
+    b, c = seq(1, 25, prefix=system), seq(2, 25)
+    sched.add(b)
+    sched.add(c)
+    admitted = sched.admit()
+    assert admitted == [b, c]
+    assert (b.seq_id, b.n_past) == (0, 20)  # a's slot: the system prompt is reused
+    assert (c.seq_id, c.n_past) == (1, 0)
+
+
+def test_identical_prompt_never_reuses_its_newest_token():
+    sched = Scheduler(n_slots=1, n_batch=64)
+    a = seq(0, 10)
+    sched.add(a)
+    run_chunks(schedule(sched))
+    a.n_past = 10  # as if its first generated token was not decoded
+    sched.release(a)
+    again = Sequence(1, "p0", SamplingParams(), a.tokens[:10], 10)
+    sched.add(again)
+    sched.admit()
+    assert again.n_past == 9  # the last prompt token is decoded again, for its logits
+
+
+def test_without_a_matching_prefix_the_least_recently_used_cache_is_overwritten():
+    sched = Scheduler(n_slots=2, n_batch=64)
+    a, b = seq(0, 12), seq(1, 12)
+    for s in (a, b):
+        sched.add(s)
+    run_chunks(schedule(sched))
+    sched.release(b)
+    sched.release(a)  # slot 1 (b) is now the least recently used
+    c = seq(2, 12)
+    sched.add(c)
+    sched.admit()
+    assert (c.seq_id, c.n_past) == (1, 0)
+
+
+def test_sequences_sharing_a_prefix_follow_the_first_and_its_prefill_pauses_there():
+    sched = Scheduler(n_slots=4, n_batch=64)
+    system = list(range(500, 540))
+    lead, mid, twin = seq(0, 50, prefix=system), seq(1, 45, prefix=system), None
+    twin = Sequence(2, "p0", SamplingParams(), list(lead.tokens), 50)
+    for s in (lead, mid, twin):
+        sched.add(s)
+    first = schedule(sched)
+    assert first == [lead] and lead.n_chunk == 40  # paused at the shared system prompt
+    assert (mid.leader, mid.n_shared) == (lead, 40)
+    assert (twin.leader, twin.n_shared) == (lead, 50)  # whole prompt: samples from lead's logits
+    run_chunks(first)
+    assert mid.leader is None and mid.n_past == 40 and twin.leader is lead
+    second = schedule(sched)
+    assert [(s.index, s.n_chunk) for s in second] == [(0, 10), (1, 5)]
+
+
+def test_short_common_prefixes_are_not_shared():
+    sched = Scheduler(n_slots=2, n_batch=64)
+    a, b = seq(0, 30, prefix=[1, 2, 3]), seq(1, 30, prefix=[1, 2, 3])
+    for s in (a, b):
+        sched.add(s)
+    assert schedule(sched) == [a, b] and b.leader is None
+
+
+def test_followers_of_a_preempted_leader_prefill_on_their_own():
+    sched = Scheduler(n_slots=2, n_batch=64)
+    a = seq(0, 20)
+    b = Sequence(1, "p0", SamplingParams(), list(a.tokens) + [7, 8], 22)
+    for s in (a, b):
+        sched.add(s)
+    sched.admit()
+    assert b.leader is a
+    sched.preempt(a)
+    assert b.leader is None and a.followers == []
+    assert schedule(sched) == [b] and b.n_chunk == 22
+
+
+def test_evicting_cached_prefixes_empties_every_free_slot():
+    sched = Scheduler(n_slots=3, n_batch=64)
+    a, b = seq(0, 8), seq(1, 8)
+    for s in (a, b):
+        sched.add(s)
+    run_chunks(schedule(sched))
+    sched.release(a)
+    sched.release(b)
+    assert sorted(sched.evict_cached()) == [0, 1]
+    assert sched.evict_cached() == []
