@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -14,6 +14,7 @@ from . import display
 from .catalog import Catalog, ModelSpec
 from .engine import BatchEngine
 from .errors import LlamabatchError
+from .memory import parse_size, plan_for
 from .native import Model, init_backend
 from .results import Result
 from .sampling import SamplingParams
@@ -29,13 +30,20 @@ _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Catalog name or path to a .gguf file.")]
 CatalogOpt = Annotated[Optional[Path], typer.Option("--config", help="models.toml to use instead of the packaged one.")]
-ParallelOpt = Annotated[Optional[int], typer.Option("--parallel", "-np", help="Sequences decoded together (slots).")]
+ParallelOpt = Annotated[
+    Optional[str],
+    typer.Option("--parallel", "-np", help="Sequences decoded together (slots), or 'auto': as many as fit --memory, each with --ctx tokens."),
+]
+MemoryOpt = Annotated[Optional[str], typer.Option("--memory", help="Memory budget for planning, e.g. 4GiB (default: available RAM).")]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", "-c", help="Total KV cache tokens, split between sequences.")]
 BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-b", help="Most tokens per llama_decode (n_batch).")]
 UbatchOpt = Annotated[Optional[int], typer.Option("--ubatch-size", "-ub", help="Physical micro-batch (n_ubatch).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", "-ngl", help="Layers on the GPU (-1 = all).")]
 KvUnifiedOpt = Annotated[Optional[bool], typer.Option("--kv-unified/--no-kv-unified", help="One KV buffer shared by all sequences.")]
+SharePrefixesOpt = Annotated[
+    Optional[bool], typer.Option("--share-prefixes/--no-share-prefixes", help="Copy common prompt prefixes' KV instead of decoding them again.")
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Write JSON Lines to stdout.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log.")]
 
@@ -74,11 +82,13 @@ def run(
     n: Annotated[int, typer.Option("-n", "--n", help="Samples per prompt; they share its KV (sample k: seed + k).")] = 1,
     parallel: ParallelOpt = None,
     ctx: CtxOpt = None,
+    memory: MemoryOpt = None,
     batch_size: BatchOpt = None,
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
     kv_unified: KvUnifiedOpt = None,
+    share_prefixes: SharePrefixesOpt = None,
     chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template.")] = None,
     stream: Annotated[bool, typer.Option(help="Show each sequence's text live.")] = False,
     json_out: JsonOpt = False,
@@ -91,9 +101,14 @@ def run(
         seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, n=n,
     )
     prompts, params = _gather_prompts(prompt or [], prompts_file, base)
+    n_parallel, ctx = _slots(
+        parallel, ctx, memory, model=model, catalog=config, kv_unified=bool(kv_unified),
+        n_ubatch=ubatch_size, n_sequences=sum(p.n for p in params), verbose=verbose,
+    )
     with BatchEngine(
-        model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
-        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, chat=chat, verbose=verbose,
+        model, catalog=config, n_parallel=n_parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
+        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
+        chat=chat, verbose=verbose,
     ) as engine:
         sequences = engine.submit(prompts, params)
         _drive(engine, sequences, live=stream and not json_out)
@@ -102,6 +117,25 @@ def run(
     _report(results, stats, json_out=json_out, streamed=stream)
     if any(r.error for r in results):
         raise typer.Exit(1)
+
+
+def _slots(parallel: str | None, ctx: int | None, memory: str | None, *, n_sequences: int, **plan_settings) -> tuple[int | None, int | None]:
+    """--parallel N as given; --parallel auto planned: as many slots of --ctx tokens as fit --memory
+    (never more than there are sequences to run), and the total context they need."""
+    if parallel is None or parallel != "auto":
+        try:
+            return (None if parallel is None else int(parallel)), ctx
+        except ValueError:
+            raise LlamabatchError(f"--parallel must be a number or 'auto', got {parallel!r}") from None
+    planned, _ = plan_for(ctx_per_seq=ctx, memory=_size(memory), max_parallel=n_sequences, **plan_settings)
+    return planned.n_parallel, planned.n_ctx
+
+
+def _size(text: str | None) -> int | None:
+    try:
+        return None if text is None else parse_size(text)
+    except ValueError as e:
+        raise LlamabatchError(f"--memory: {e}") from None
 
 
 def _drive(engine: BatchEngine, sequences: list[Sequence], live: bool) -> None:
@@ -140,6 +174,37 @@ def models(config: CatalogOpt = None, json_out: JsonOpt = False, verbose: Verbos
             display.json_line(row)
     else:
         display.models_table(rows)
+
+
+@command
+def plan(
+    model: ModelOpt = None,
+    config: CatalogOpt = None,
+    ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context of each sequence, in tokens (default: the catalog's).")] = None,
+    memory: MemoryOpt = None,
+    kv_unified: Annotated[bool, typer.Option("--kv-unified/--no-kv-unified", help="Plan one KV buffer shared by all sequences.")] = False,
+    ubatch_size: UbatchOpt = None,
+    check: Annotated[bool, typer.Option(help="Create the planned context and compare with the KV buffer llama.cpp allocates.")] = False,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """How much KV cache each token costs, and the largest --parallel that fits the memory budget."""
+    planned, shape = plan_for(
+        model, catalog=config, ctx_per_seq=ctx, memory=_size(memory), kv_unified=kv_unified,
+        n_ubatch=ubatch_size, verbose=verbose,
+    )
+    row = {**asdict(planned), "n_ctx": planned.n_ctx, "total_bytes": planned.total_bytes, **asdict(shape),
+           "kv_bytes_per_token": shape.bytes_per_token}
+    if check:
+        with BatchEngine(
+            model, catalog=config, n_parallel=planned.n_parallel, n_ctx=planned.n_ctx, n_ubatch=ubatch_size,
+            kv_unified=kv_unified, verbose=verbose,
+        ) as engine:
+            row["allocated_kv_bytes"] = engine.ctx.kv_bytes
+    if json_out:
+        display.json_line(row)
+    else:
+        display.plan_table(row)
 
 
 def _model_row(spec: ModelSpec) -> dict:

@@ -24,6 +24,7 @@ class EngineConfig:
     n_threads: int = 0  # 0 = all cores
     gpu_layers: int = -1
     kv_unified: bool = False  # one KV buffer shared by all sequences instead of one each
+    share_prefixes: bool = True  # copy common prompt prefixes' KV instead of decoding them again
     chat: bool = False
     verbose: bool = False
 

@@ -117,6 +117,32 @@ def models_table(rows: list[dict]) -> None:
         out.print(f"[bold]{escape(row['name'])}[/]: {escape(row.get('description') or '')} [dim]({escape(row['source'])})[/]")
 
 
+def plan_table(row: dict) -> None:
+    """`llamabatch plan`: what the KV cache costs and how many sequences fit."""
+    mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    kv = f"{row['kv_bytes_per_token']:,} B per token in {row['full_layers']} full-attention layers"
+    if row["swa_layers"]:
+        kv += f"; {row['swa_layers']} sliding-window layers keep {row['n_swa']} tokens + a ubatch per sequence"
+    lines = [
+        ("model weights", mib(row["model_bytes"])),
+        ("KV cache", kv),
+        ("context per sequence", f"{row['ctx_per_seq']:,} tokens"),
+        ("memory budget", mib(row["budget_bytes"])),
+        ("largest safe --parallel", f"[bold]{row['n_parallel']}[/] (--ctx {row['n_ctx']:,} in total"
+         f"{', --kv-unified' if row['kv_unified'] else ''})"),
+        ("  KV cache", mib(row["kv_bytes"])),
+        ("  compute + logits buffers", mib(row["compute_bytes"] + row["output_bytes"])),
+        ("  total", mib(row["total_bytes"])),
+    ]
+    if "allocated_kv_bytes" in row:
+        ratio = row["kv_bytes"] / row["allocated_kv_bytes"]
+        lines.append(("llama.cpp allocated KV", f"{mib(row['allocated_kv_bytes'])} (estimate / actual = {ratio:.4f})"))
+    table = Table(title="KV memory plan", show_header=False, title_justify="left", box=None)
+    for key, value in lines:
+        table.add_row(key, value)
+    out.print(table)
+
+
 def _human(value: int | None, unit: str) -> str:
     if value is None:
         return "-"

@@ -37,13 +37,15 @@ class BatchEngine:
         n_threads: int | None = None,
         gpu_layers: int | None = None,
         kv_unified: bool | None = None,
+        share_prefixes: bool | None = None,
         chat: bool | None = None,
         verbose: bool = False,
     ) -> None:
         spec = Catalog.load(catalog).resolve(model)
         self.config = EngineConfig.for_model(
             spec, n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
-            n_threads=n_threads, gpu_layers=gpu_layers, kv_unified=kv_unified, chat=chat, verbose=verbose,
+            n_threads=n_threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
+            chat=chat, verbose=verbose,
         )
         self.model_name = spec.name
         self._chat_template = spec.chat_template
@@ -61,7 +63,7 @@ class BatchEngine:
             raise
         self.vocab = self.model.vocab
         self.batch = Batch(self.ctx.n_batch)
-        self.scheduler = Scheduler(cfg.n_parallel, self.ctx.n_batch)
+        self.scheduler = Scheduler(cfg.n_parallel, self.ctx.n_batch, cfg.share_prefixes)
         self.stats = RunStats()
         self._next_index = 0
 

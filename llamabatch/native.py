@@ -7,7 +7,10 @@ Each class holds one handle and frees it exactly once in close() (or on leaving 
 from __future__ import annotations
 
 import ctypes
+import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import llama_cpp
@@ -18,20 +21,45 @@ from .errors import ConfigError, DecodeError, LlamabatchError, ModelError
 _backend_ready = False
 
 
-@llama_cpp.llama_log_callback
-def _drop_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    pass
+class _LogRouter:
+    """llama.cpp logs through one process-wide callback: echoed to stderr when verbose, and
+    recorded while a caller captures it (the loader and the context report sizes only there)."""
+
+    def __init__(self) -> None:
+        self.verbose = False
+        self.captured: list[str] | None = None
+
+    def write(self, text: str) -> None:
+        if self.verbose:
+            sys.stderr.write(text)
+        if self.captured is not None:
+            self.captured.append(text)
+
+    @contextmanager
+    def capture(self) -> Iterator[list[str]]:
+        """Collect the log while the block runs; the list holds its lines afterwards."""
+        self.captured = chunks = []
+        lines: list[str] = []
+        try:
+            yield lines
+        finally:
+            self.captured = None
+            lines.extend("".join(chunks).splitlines())
+
+
+_log = _LogRouter()
 
 
 @llama_cpp.llama_log_callback
-def _log_to_stderr(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    sys.stderr.write(text.decode(errors="replace"))
+def _on_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    _log.write(text.decode(errors="replace"))
 
 
 def init_backend(verbose: bool = False) -> None:
     """Initialise llama.cpp once per process; its log goes to stderr only when verbose."""
     global _backend_ready
-    llama_cpp.llama_log_set(_log_to_stderr if verbose else _drop_log, None)
+    _log.verbose = verbose
+    llama_cpp.llama_log_set(_on_log, None)  # again each time: llama-cpp-python's Llama sets its own
     if not _backend_ready:
         llama_cpp.llama_backend_init()
         _backend_ready = True
@@ -117,12 +145,17 @@ class Model(_Owner):
     def __init__(self, path: Path, gpu_layers: int = -1) -> None:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
-        handle = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        with _log.capture() as log:
+            handle = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not handle:
             raise ModelError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF; --verbose shows why)")
         super().__init__(handle)
         self.path = path
         self.vocab = Vocab(llama_cpp.llama_model_get_vocab(handle))
+        # Which layers use sliding-window attention is not in llama.h; the loader logs it.
+        swa = {int(m[1]): m[2] == "1" for m in re.finditer(r"layer +(\d+) assigned to .*is_swa = (\d)", "\n".join(log))}
+        n_layer = llama_cpp.llama_model_n_layer(handle)
+        self.swa_layers: list[bool] | None = [swa[i] for i in range(n_layer)] if len(swa) >= n_layer else None
 
     def _free(self, handle) -> None:
         llama_cpp.llama_model_free(handle)
@@ -136,6 +169,16 @@ class Model(_Owner):
     @property
     def n_params(self) -> int:
         return llama_cpp.llama_model_n_params(self.handle)
+
+    @property
+    def size_bytes(self) -> int:
+        return llama_cpp.llama_model_size(self.handle)
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as text, or None when the model lacks the key."""
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        return buf.value.decode() if n >= 0 else None
 
     @property
     def n_ctx_train(self) -> int:
@@ -180,7 +223,8 @@ class Context(_Owner):
         params.kv_unified = kv_unified
         params.swa_full = False  # as llama.cpp's own tools: sliding-window layers keep only their window
         params.no_perf = True
-        handle = llama_cpp.llama_init_from_model(model.handle, params)
+        with _log.capture() as log:
+            handle = llama_cpp.llama_init_from_model(model.handle, params)
         if not handle:
             raise ConfigError(
                 f"llama.cpp could not create a context (n_ctx={n_ctx}, parallel={n_seq_max}, n_batch={n_batch}); "
@@ -193,6 +237,8 @@ class Context(_Owner):
         self.n_batch = llama_cpp.llama_n_batch(handle)  # llama.cpp caps it at n_ctx
         self.kv_unified = kv_unified
         self.n_swa = llama_cpp.llama_model_n_swa(model.handle)
+        # The bytes llama.cpp allocated for the KV cache (all its caches), as it reports them.
+        self.kv_bytes = round(sum(float(m[1]) for m in re.finditer(r"KV buffer size = +([\d.]+) MiB", "\n".join(log))) * 2**20)
 
     def _free(self, handle) -> None:
         llama_cpp.llama_free(handle)

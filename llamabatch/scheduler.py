@@ -34,10 +34,11 @@ class Scheduler:
     prefix follows it: it waits, and gets the prefix copied once the leader has it.
     """
 
-    def __init__(self, n_slots: int, n_batch: int) -> None:
+    def __init__(self, n_slots: int, n_batch: int, share_prefixes: bool = True) -> None:
         if n_batch < n_slots:
             raise ValueError(f"n_batch ({n_batch}) must be at least the number of slots ({n_slots})")
         self.n_batch = n_batch
+        self.share_prefixes = share_prefixes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free: list[Slot] = [Slot(i) for i in range(n_slots)]  # empty first, then least recently used
@@ -62,7 +63,8 @@ class Scheduler:
             slot, n_cached = self._take_slot(seq)
             seq.seq_id, seq.status, seq.t_admitted = slot.seq_id, Status.RUNNING, time.perf_counter()
             seq.n_past = min(n_cached, len(seq.tokens) - 1)  # the newest token is decoded again, for its logits
-            self._follow_a_leader(seq)
+            if self.share_prefixes:
+                self._follow_a_leader(seq)
             self.running.append(seq)
             admitted.append(seq)
         return admitted
@@ -109,7 +111,7 @@ class Scheduler:
         """The free slot whose cache shares the longest prefix with seq, and that prefix's length;
         without one worth keeping, the first slot: an empty one, else the least recently used."""
         best, n_best = self._free[0], 0
-        for slot in self._free:
+        for slot in self._free if self.share_prefixes else ():
             n = common_prefix(slot.cached, seq.tokens)
             if n >= MIN_SHARED_PREFIX and n > n_best:
                 best, n_best = slot, n

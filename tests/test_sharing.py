@@ -90,3 +90,12 @@ def test_a_full_unified_cache_drops_cached_prefixes_before_preempting(make_engin
     assert 1 in decode_calls  # the cache really ran full
     assert all(r.completion_tokens == 20 for r in results)
     assert engine.stats.preemptions == 0  # evicting the cached prefixes made room
+
+
+def test_sharing_can_be_turned_off(make_engine):
+    engine = make_engine(n_parallel=4, share_prefixes=False)
+    prompt = "Once upon a time, in a land far away"
+    engine.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=4))
+    engine.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert engine.stats.prompt_tokens_evaluated == 5 * len(engine.tokenize_prompt(prompt))
+    assert engine.stats.prompt_tokens_reused == 0

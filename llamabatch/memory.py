@@ -1,0 +1,170 @@
+"""KV-cache memory planning: what llama.cpp will allocate, and how many sequences fit a budget.
+
+The sizes mirror llama.cpp's own rules (llama-context.cpp, llama-kv-cache-iswa.cpp): the
+context is padded to 256 cells; a per-sequence cache gives every sequence n_ctx / n_parallel
+cells (padded); sliding-window layers keep only min(n_ctx_seq, n_swa + n_ubatch) cells per
+stream (n_swa * n_parallel + n_ubatch when unified); every cell of a layer holds K and V for
+its KV heads in f16.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+
+from .catalog import Catalog
+from .errors import ConfigError
+from .native import Model, init_backend
+
+CELL_PAD = 256
+F16_BYTES = 2
+
+
+def pad(n: int) -> int:
+    return -(-n // CELL_PAD) * CELL_PAD
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """What one KV cell costs in a model's layers, and which layers keep only a window."""
+
+    full_layers: int
+    swa_layers: int
+    cell_bytes: int  # K + V of one layer for one cell
+    n_swa: int  # the window, in tokens (0 = no sliding-window layers)
+
+    @classmethod
+    def of(cls, model: Model) -> KvShape:
+        h = model.handle
+        arch = model.meta("general.architecture")
+        head_default = llama_cpp.llama_model_n_embd(h) // llama_cpp.llama_model_n_head(h)
+        k = int(model.meta(f"{arch}.attention.key_length") or head_default)
+        v = int(model.meta(f"{arch}.attention.value_length") or head_default)
+        n_layer = llama_cpp.llama_model_n_layer(h)
+        # Unknown layer kinds count as full-size: an upper bound, safe for planning.
+        n_swa_layers = sum(model.swa_layers) if model.swa_layers else 0
+        return cls(
+            full_layers=n_layer - n_swa_layers, swa_layers=n_swa_layers,
+            cell_bytes=llama_cpp.llama_model_n_head_kv(h) * (k + v) * F16_BYTES,
+            n_swa=llama_cpp.llama_model_n_swa(h) if n_swa_layers else 0,
+        )
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What each token of context costs in the full-attention layers (windows are bounded)."""
+        return self.full_layers * self.cell_bytes
+
+    def cells(self, n_ctx: int, n_parallel: int, kv_unified: bool, n_ubatch: int) -> tuple[int, int]:
+        """Cells llama.cpp allocates per full-attention layer and per sliding-window layer."""
+        streams = 1 if kv_unified else n_parallel
+        n_ctx_seq = pad(n_ctx) if kv_unified else pad(pad(n_ctx) // n_parallel)
+        window = pad(min(n_ctx_seq, self.n_swa * (n_parallel if kv_unified else 1) + n_ubatch))
+        return n_ctx_seq * streams, window * streams if self.swa_layers else 0
+
+    def kv_bytes(self, n_ctx: int, n_parallel: int, kv_unified: bool, n_ubatch: int) -> int:
+        full, swa = self.cells(n_ctx, n_parallel, kv_unified, n_ubatch)
+        return (full * self.full_layers + swa * self.swa_layers) * self.cell_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How many sequences of ctx_per_seq tokens fit a memory budget, and what each part costs."""
+
+    ctx_per_seq: int
+    n_parallel: int
+    kv_unified: bool
+    model_bytes: int
+    kv_bytes: int
+    compute_bytes: int  # llama.cpp's graph buffer, estimated: the logits of one ubatch dominate
+    output_bytes: int  # one row of logits per sequence
+    budget_bytes: int
+
+    @property
+    def n_ctx(self) -> int:
+        return self.ctx_per_seq * self.n_parallel
+
+    @property
+    def total_bytes(self) -> int:
+        return self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes
+
+
+def plan(
+    model: Model, shape: KvShape, ctx_per_seq: int, budget_bytes: int, *,
+    kv_unified: bool = False, n_ubatch: int = 512, max_parallel: int | None = None,
+) -> Plan:
+    """The largest n_parallel (at least 1) whose model, KV cache and buffers fit in budget_bytes."""
+    limit = llama_cpp.llama_max_parallel_sequences()
+    ctx_per_seq = pad(ctx_per_seq)
+    n_vocab = model.vocab.n_vocab
+    # The graph buffer measured 514.5 MiB for Gemma 3 270M at n_ubatch 512, of which the
+    # logits are 512 MiB; 10% on top covers the activations of wider models.
+    compute = int(4 * n_vocab * n_ubatch * 1.1)
+
+    def at(n: int) -> Plan:
+        return Plan(
+            ctx_per_seq, n, kv_unified, model.size_bytes, shape.kv_bytes(ctx_per_seq * n, n, kv_unified, n_ubatch),
+            compute, 4 * n_vocab * n, budget_bytes,
+        )
+
+    best = at(1)
+    for n in range(2, min(limit, max_parallel or limit) + 1):
+        candidate = at(n)
+        if candidate.total_bytes > budget_bytes:
+            break
+        best = candidate
+    return best
+
+
+def plan_for(
+    model: str | Path | None = None, *, catalog: str | Path | None = None, ctx_per_seq: int | None = None,
+    memory: int | None = None, kv_unified: bool = False, n_ubatch: int | None = None,
+    max_parallel: int | None = None, verbose: bool = False,
+) -> tuple[Plan, KvShape]:
+    """Plan a catalog model (or GGUF path): by default each sequence gets the catalog's
+    per-sequence context, and the budget is the memory available now."""
+    spec = Catalog.load(catalog).resolve(model)
+    if memory is None and llama_cpp.llama_supports_gpu_offload() and spec.gpu_layers != 0:
+        raise ConfigError("this llama.cpp offloads to a GPU: give --memory, the GPU memory to plan for")
+    init_backend(verbose)
+    with Model(spec.gguf_path(), gpu_layers=0) as loaded:
+        shape = KvShape.of(loaded)
+        result = plan(
+            loaded, shape, ctx_per_seq or spec.n_ctx // spec.parallel, memory or available_memory(),
+            kv_unified=kv_unified, n_ubatch=n_ubatch or spec.n_ubatch, max_parallel=max_parallel,
+        )
+    if result.total_bytes > result.budget_bytes:
+        raise ConfigError(
+            f"even one sequence of {result.ctx_per_seq} tokens needs {result.total_bytes / 2**30:.2f} GiB, "
+            f"more than the {result.budget_bytes / 2**30:.2f} GiB budget"
+        )
+    return result, shape
+
+
+def available_memory() -> int:
+    """Memory this process can use now: MemAvailable on Linux, else all physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512MiB', '2GB', '1500000000' -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number):].lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise ValueError(f"not a memory size: {text!r} (write e.g. 4GiB, 512MiB or 2GB)")
+    return int(value * units[unit])
