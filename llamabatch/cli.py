@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import display
+from . import bench, display
 from .catalog import Catalog, ModelSpec
 from .engine import BatchEngine
 from .errors import LlamabatchError
@@ -205,6 +205,78 @@ def plan(
         display.json_line(row)
     else:
         display.plan_table(row)
+
+
+@command
+def sweep(
+    model: ModelOpt = None,
+    config: CatalogOpt = None,
+    batch_sizes: Annotated[str, typer.Option(help="Batch sizes B to measure, comma-separated.")] = "1,2,4,8,16,32",
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt tokens per sequence (PP).")] = 32,
+    gen_tokens: Annotated[int, typer.Option(help="Generated tokens per sequence (TG).")] = 64,
+    shared_prompt: Annotated[bool, typer.Option(help="One prompt for all B sequences, decoded once (llama-batched-bench -pps).")] = False,
+    repeat: Annotated[int, typer.Option(help="Runs per batch size; the median is reported.")] = 1,
+    baseline: Annotated[Optional[list[str]], typer.Option(help="Also measure 'sequential' (llama-cpp-python's Llama, one prompt at a time) and/or 'native' (llama-batched-bench).")] = None,
+    ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Total KV cache tokens (default: room for the largest B).")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="n_batch.")] = 512,
+    ubatch_size: Annotated[int, typer.Option("--ubatch-size", "-ub", help="n_ubatch.")] = 512,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    kv_unified: Annotated[bool, typer.Option("--kv-unified/--no-kv-unified", help="One KV buffer shared by all sequences.")] = False,
+    json_out: JsonOpt = False,
+    csv: Annotated[Optional[Path], typer.Option("--csv", help="Also write the table to this CSV file.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw throughput and latency against B into this PNG.")] = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Throughput and latency against batch size, as llama-batched-bench measures them."""
+    baselines = set(baseline or ())
+    if baselines - {"sequential", "native"}:
+        raise LlamabatchError(f"unknown baseline {sorted(baselines - {'sequential', 'native'})}: use sequential or native")
+    settings = bench.SweepSettings(
+        batch_sizes=_int_list(batch_sizes, "--batch-sizes"), prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
+        shared_prompt=shared_prompt, repeat=repeat, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
+        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified,
+    )
+    if "native" in baselines:
+        bench.native_tool()  # fail now, not after minutes of measuring
+    if plot is not None:
+        from . import plot as plotting  # matplotlib is an extra: say so before measuring
+    points = _sweep(model, config, settings, baselines, json_out=json_out, verbose=verbose)
+    if csv is not None:
+        display.write_csv(csv, [p.to_dict() for p in points])
+    if plot is not None:
+        plotting.sweep_plot(points, plot, title=f"{model or 'default model'}: PP {prompt_tokens}, TG {gen_tokens}")
+
+
+def _sweep(model, config, settings: bench.SweepSettings, baselines: set[str], *, json_out: bool, verbose: bool) -> list:
+    """Measure every batch size, then the baselines, showing the table as it fills."""
+    sizes = settings.batch_sizes
+    n_steps = len(sizes) * (2 if "sequential" in baselines else 1)
+    with BatchEngine(
+        model, catalog=config, n_parallel=max(sizes), n_ctx=settings.context, n_batch=settings.n_batch,
+        n_ubatch=settings.n_ubatch, n_threads=settings.n_threads, gpu_layers=settings.gpu_layers,
+        kv_unified=settings.kv_unified, share_prefixes=settings.shared_prompt, verbose=verbose,
+    ) as engine, display.SweepView(engine.model_name, settings, engine.config.n_threads, n_steps, live=not json_out) as view:
+        points = []
+        for point in bench.sweep(engine, settings, native="native" in baselines):
+            points.append(point)
+            view.show(points, f"B={point.batch_size}")
+        if "sequential" in baselines:
+            for point in points:
+                point.add_sequential(*bench.sequential_baseline(engine.model.path, settings, point.batch_size, engine.config.n_threads))
+                view.show(points, f"sequential B={point.batch_size}")
+        view.show(points, "all", done=True)
+    if json_out:
+        for point in points:
+            display.json_line(point.to_dict())
+    return points
+
+
+def _int_list(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise LlamabatchError(f"{option} must be comma-separated integers, got {text!r}") from None
 
 
 def _model_row(spec: ModelSpec) -> dict:

@@ -6,6 +6,7 @@ import json
 import sys
 from collections.abc import Iterable
 
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
@@ -18,6 +19,8 @@ from .sequence import Sequence
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
+# Wide tables stay whole when piped to a file, instead of squeezed into rich's default 80 columns.
+wide = out if out.is_terminal else Console(highlight=False, width=200)
 
 
 def error_line(message: str) -> None:
@@ -141,6 +144,83 @@ def plan_table(row: dict) -> None:
     for key, value in lines:
         table.add_row(key, value)
     out.print(table)
+
+
+class SweepView:
+    """`llamabatch sweep`: the table grows as batch sizes are measured, above a progress bar."""
+
+    def __init__(self, model: str, settings, n_threads: int, n_steps: int, live: bool = True) -> None:
+        self.caption = (
+            f"{model} · PP {settings.prompt_tokens} · TG {settings.gen_tokens} · n_ctx {settings.context} · "
+            f"n_batch {settings.n_batch} · n_ubatch {settings.n_ubatch} · {n_threads} threads · "
+            f"{'unified' if settings.kv_unified else 'per-sequence'} KV"
+            f"{' · shared prompt' if settings.shared_prompt else ''} · median of {settings.repeat}"
+        )
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err)
+        self.task = self.bar.add_task("warm-up", total=n_steps)
+        self.live = Live(Group(self.bar), console=wide, refresh_per_second=4) if live else None
+
+    def __enter__(self) -> SweepView:
+        if self.live:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live:
+            self.live.__exit__(*exc)
+
+    def show(self, points: list, step: str, done: bool = False) -> None:
+        self.bar.update(self.task, advance=0 if done else 1, description=f"measured {step}")
+        if self.live:
+            table = sweep_table(points, self.caption)
+            self.live.update(table if done else Group(table, self.bar))
+
+
+_THROUGHPUT = [
+    ("B", "batch_size", "{}"), ("N_KV", "n_kv", "{}"), ("S_PP", "s_pp", "{:.1f}"), ("S_TG", "s_tg", "{:.1f}"),
+    ("S", "s", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"), ("eff.", "efficiency", "{:.0%}"),
+    ("Llama S", "sequential_s", "{:.1f}"), ("vs Llama", "speedup_vs_sequential", "{:.2f}x"),
+    ("native S_TG", "native_s_tg", "{:.1f}"), ("S_TG/native", "s_tg_ratio", "{:.3f}"),
+]
+_LATENCY = [
+    ("B", "batch_size", "{}"), ("TTFT p50", "ttft_p50_s", "{:.0f} ms"), ("TTFT p99", "ttft_p99_s", "{:.0f} ms"),
+    ("TPOT p50", "tpot_p50_s", "{:.1f} ms"), ("TPOT p99", "tpot_p99_s", "{:.1f} ms"),
+    ("KV cache", "kv_bytes", "{:.1f} MiB"), ("peak RSS", "peak_rss_bytes", "{:.0f} MiB"),
+]
+
+
+def sweep_table(points: list, caption: str) -> Group:
+    """Throughput (tokens/s, as llama-batched-bench) and latency/memory, one row per batch size."""
+    return Group(_table(points, _THROUGHPUT, "throughput, tokens/s"), _table(points, _LATENCY, "latency and memory"), Text(caption, style="dim"))
+
+
+def _table(points: list, columns: list, title: str) -> Table:
+    shown = [c for c in columns if any(getattr(p, c[1]) is not None for p in points)]
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for header, _, _ in shown:
+        table.add_column(header, justify="right", no_wrap=True)
+    for p in points:
+        table.add_row(*(_cell(getattr(p, key), key, fmt) for _, key, fmt in shown))
+    return table
+
+
+def _cell(value, key: str, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if key.endswith("_s") and key != "s":
+        value *= 1000
+    elif key.endswith("bytes"):
+        value /= 2**20
+    return fmt.format(value)
+
+
+def write_csv(path, rows: list[dict]) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def _human(value: int | None, unit: str) -> str:

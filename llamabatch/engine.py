@@ -183,6 +183,11 @@ class BatchEngine:
     def reset_stats(self) -> None:
         self.stats = RunStats()
 
+    def drop_cached_prefixes(self) -> None:
+        """Free the KV that finished sequences left in their slots for later prompts."""
+        for seq_id in self.scheduler.evict_cached():
+            self.ctx.remove_sequence(seq_id)
+
     # -- inside a step ---------------------------------------------------------------
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
@@ -252,10 +257,8 @@ class BatchEngine:
         preempting the newest sequence, or (alone) cutting it short."""
         for seq in scheduled:  # drop whatever part of the batch llama.cpp did store
             self.ctx.remove_sequence(seq.seq_id, from_pos=seq.n_past)
-        evicted = self.scheduler.evict_cached()
-        for seq_id in evicted:
-            self.ctx.remove_sequence(seq_id)
-        if evicted and self.ctx.kv_unified:  # freed cells the batch can use: retry as it was
+        if self.ctx.kv_unified and self.scheduler.has_cached_prefixes:  # cells the batch can use: retry
+            self.drop_cached_prefixes()
             return []
         if len(self.scheduler.running) > 1:
             victim = self.scheduler.running[-1]  # the most recently admitted

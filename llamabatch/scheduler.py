@@ -100,6 +100,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self._kv_full = True
 
+    @property
+    def has_cached_prefixes(self) -> bool:
+        return any(slot.cached for slot in self._free)
+
     def evict_cached(self) -> list[int]:
         """Forget every free slot's cached KV (the KV cache is full); returns their seq_ids to clear."""
         evicted = [slot.seq_id for slot in self._free if slot.cached]
