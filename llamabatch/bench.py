@@ -9,7 +9,6 @@ Prompts are random token ids and generation ignores end-of-sequence, so every B 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
@@ -156,14 +155,16 @@ def median_point(points: list[SweepPoint]) -> SweepPoint:
 
 def sweep(engine: BatchEngine, settings: SweepSettings, native: bool = False) -> Iterator[SweepPoint]:
     """Measure each batch size (median of settings.repeat runs) after one warm-up batch. With
-    native, llama-batched-bench runs right after each of ours, so drift hits both alike."""
+    native, llama-batched-bench runs beside each of ours, so drift hits both alike."""
     measure(engine, replace(settings, gen_tokens=8), max(settings.batch_sizes), seed=99)
     first = None
     for b in settings.batch_sizes:
         ours, theirs = [], []
         for r in range(settings.repeat):
+            if native and r % 2:  # alternate who goes first, so slow drift favours neither
+                theirs.append(native_run(engine.model.path, settings, b, engine.config.n_threads))
             ours.append(measure(engine, settings, b, seed=r))
-            if native:
+            if native and not r % 2:
                 theirs.append(native_run(engine.model.path, settings, b, engine.config.n_threads))
         point = median_point(ours)
         first = first or point
@@ -253,11 +254,24 @@ def native_run(model_path: Path, settings: SweepSettings, b: int, n_threads: int
         str(native_tool()), "-m", str(model_path), "-c", str(n_ctx), "-b", str(settings.n_batch),
         "-ub", str(settings.n_ubatch), "-t", str(n_threads), "-ngl", str(settings.gpu_layers or 0), "-fa", "auto",
         "-npp", str(settings.prompt_tokens), "-ntg", str(settings.gen_tokens), "-npl", str(b),
-        "--output-format", "jsonl", "-kvu" if settings.kv_unified else "-no-kvu",
-        *(["-pps"] if settings.shared_prompt else []),
+        "-kvu" if settings.kv_unified else "-no-kvu", *(["-pps"] if settings.shared_prompt else []),
     ]
-    done = subprocess.run(command, capture_output=True, text=True)
-    rows = [json.loads(line) for line in (done.stdout + done.stderr).splitlines() if line.startswith("{")]
+    # Its results go through llama.cpp's log thread, which is not flushed at exit
+    # (llama.cpp issue 22142): a very short run can end before its table is written. Retry.
+    for _ in range(3):
+        done = subprocess.run(command, capture_output=True, text=True)
+        rows = [row for row in map(_table_row, (done.stdout + done.stderr).splitlines()) if row]
+        if done.returncode != 0 or rows:
+            break
     if done.returncode != 0 or not rows:
         raise LlamabatchError(f"llama-batched-bench failed ({done.returncode}): {done.stderr.strip()[-500:]}")
     return rows[0]
+
+
+def _table_row(line: str) -> dict | None:
+    """A result row of llama-batched-bench's markdown table."""
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) != 10 or not cells[0].isdigit():
+        return None
+    pp, tg, pl, n_kv, t_pp, speed_pp, t_tg, speed_tg, t, speed = (float(c) for c in cells)
+    return {"pl": int(pl), "speed_pp": speed_pp, "speed_tg": speed_tg, "speed": speed}

@@ -29,8 +29,8 @@ class Scheduler:
     of the n_batch token budget, in admission order, in chunks.
 
     Prompt KV is shared two ways. A new sequence takes the free slot whose cached
-    tokens share the longest prefix with it (least recently used on a tie), keeping
-    that prefix. And a sequence admitted while another is still prefilling the same
+    tokens share the longest prefix with it, keeping that prefix (else the lowest free
+    seq_id, whose cache is overwritten). And a sequence admitted while another is still prefilling the same
     prefix follows it: it waits, and gets the prefix copied once the leader has it.
     """
 
@@ -41,7 +41,7 @@ class Scheduler:
         self.share_prefixes = share_prefixes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._free: list[Slot] = [Slot(i) for i in range(n_slots)]  # empty first, then least recently used
+        self._free: list[Slot] = [Slot(i) for i in range(n_slots)]
         self._slots: dict[int, Slot] = {}  # seq_id -> slot of each running sequence
         # After the KV cache ran full, admitting more would only fill it again: wait until
         # a running sequence finishes and frees its cells.
@@ -85,7 +85,7 @@ class Scheduler:
             seq.n_chunk = min(seq.n_pending, budget, cap - seq.n_past if cap else budget)
             budget -= seq.n_chunk
             scheduled.append(seq)
-        return scheduled
+        return sorted(scheduled, key=lambda s: s.seq_id)  # rows in seq_id order: see _take_slot
 
     def release(self, seq: Sequence) -> None:
         """A running sequence finished: its slot keeps its KV for a later prompt that shares a prefix."""
@@ -95,7 +95,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Take a running sequence's slot (its KV already freed); it re-enters first and re-prefills."""
-        self._free.insert(0, self._give_back_slot(seq, cached=[]))
+        self._free.append(self._give_back_slot(seq, cached=[]))
         seq.n_past, seq.status = 0, Status.WAITING
         self.waiting.appendleft(seq)
         self._kv_full = True
@@ -113,8 +113,9 @@ class Scheduler:
 
     def _take_slot(self, seq: Sequence) -> tuple[Slot, int]:
         """The free slot whose cache shares the longest prefix with seq, and that prefix's length;
-        without one worth keeping, the first slot: an empty one, else the least recently used."""
-        best, n_best = self._free[0], 0
+        without one worth keeping, the lowest seq_id. With a per-sequence KV cache llama.cpp puts
+        only consecutive seq_ids in one ubatch, so dense low ids keep a step to one graph."""
+        best, n_best = min(self._free, key=lambda slot: slot.seq_id), 0
         for slot in self._free if self.share_prefixes else ():
             n = common_prefix(slot.cached, seq.tokens)
             if n >= MIN_SHARED_PREFIX and n > n_best:

@@ -203,3 +203,16 @@ def _invalid_utf8(piece: bytes) -> bool:
     except UnicodeDecodeError:
         return True
     return False
+
+
+def test_many_long_sequences_in_a_tiny_cache_all_complete_as_with_ample_memory(make_engine, decode_calls):
+    """16 prompts (some sharing a prefix) x 80 tokens through 8 slots of a 256-cell unified cache,
+    which holds about three of them at full length."""
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    prompts = PROMPTS + [f"Story {i}: once upon a time there was" for i in range(8)]
+    tight_engine = make_engine(n_ctx=256, n_parallel=8, kv_unified=True)
+    tight = tight_engine.generate(prompts, params)
+    assert 1 in decode_calls and tight_engine.stats.preemptions > 0
+    assert all(r.error is None and r.completion_tokens == 80 for r in tight)
+    ample = make_engine(n_ctx=4096, n_parallel=8, kv_unified=True).generate(prompts, params)
+    assert [r.token_ids for r in tight] == [r.token_ids for r in ample]

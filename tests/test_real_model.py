@@ -57,3 +57,24 @@ def test_multibyte_text_streams_whole_characters(gemma):
         result = seq.result()
         assert streamed[seq.index] == result.text
         assert result.text == gemma.vocab.detokenize(result.token_ids) or result.finish_reason == "stop"
+
+
+def test_a_slot_cache_past_the_sliding_window_is_not_reused():
+    """Gemma 3's sliding-window layers keep 512 positions (+ a ubatch) and overwrite older cells,
+    so a cached prefix is reusable only while those cells are still there."""
+    head = "The following is a list of facts about the sea, one per line."
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    later = head + " Fact one: the sea is salty because"
+    settings = dict(n_parallel=1, n_ctx=2048, n_ubatch=64)  # a 768-cell window cache
+    with BatchEngine(**settings) as fresh:
+        expected = fresh.generate([later], greedy)[0].token_ids
+    with BatchEngine(**settings) as engine:
+        engine.generate([head + " And then the tide came in." * 120], SamplingParams(max_tokens=1))  # ~1000 tokens
+        engine.reset_stats()
+        again = engine.generate([later], greedy)[0]
+        assert engine.stats.prompt_tokens_reused == 0  # the window cache no longer holds the head
+        assert again.token_ids == expected
+        engine.generate([head + " Short."], greedy)
+        engine.reset_stats()
+        engine.generate([later], greedy)
+        assert engine.stats.prompt_tokens_reused >= 10  # within the window the head is reused

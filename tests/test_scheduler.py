@@ -132,18 +132,19 @@ def test_identical_prompt_never_reuses_its_newest_token():
     assert again.n_past == 9  # the last prompt token is decoded again, for its logits
 
 
-def test_without_a_matching_prefix_the_least_recently_used_cache_is_overwritten():
-    sched = Scheduler(n_slots=2, n_batch=64)
-    a, b = seq(0, 12), seq(1, 12)
-    for s in (a, b):
+def test_without_a_matching_prefix_the_lowest_free_seq_id_is_taken_and_rows_follow_seq_ids():
+    sched = Scheduler(n_slots=3, n_batch=64)
+    a, b, c = seq(0, 12), seq(1, 12), seq(2, 12)
+    for s in (a, b, c):
         sched.add(s)
     run_chunks(schedule(sched))
     sched.release(b)
-    sched.release(a)  # slot 1 (b) is now the least recently used
-    c = seq(2, 12)
-    sched.add(c)
-    sched.admit()
-    assert (c.seq_id, c.n_past) == (1, 0)
+    sched.release(a)  # ids 1 then 0 come free; c keeps id 2
+    d = seq(3, 12)
+    sched.add(d)
+    batch = schedule(sched)
+    assert (d.seq_id, d.n_past) == (0, 0)  # a's cache is overwritten: llama.cpp wants dense ids
+    assert [s.seq_id for s in batch] == [0, 2]  # rows in seq_id order, whatever the admission order
 
 
 def test_sequences_sharing_a_prefix_follow_the_first_and_its_prefill_pauses_there():

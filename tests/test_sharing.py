@@ -82,11 +82,11 @@ def test_a_finished_prompt_stays_cached_for_a_later_request(make_engine, tiny_mo
 
 def test_a_full_unified_cache_drops_cached_prefixes_before_preempting(make_engine, decode_calls):
     engine = make_engine(n_ctx=256, n_parallel=4, kv_unified=True)
-    engine.generate(["first request " * 8, "second one " * 8], GREEDY)  # 2 slots keep ~220 of 256 cells
+    engine.generate([f"request {i} " * 4 for i in range(4)], GREEDY)  # 4 slots keep ~200 of 256 cells
     engine.reset_stats()
     decode_calls.clear()
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    results = engine.generate(["a new prompt " * 3, "and another one " * 3], params)  # the 2 empty slots
+    results = engine.generate(["a new prompt " * 6, "and another one " * 5], params)  # ~200 cells more
     assert 1 in decode_calls  # the cache really ran full
     assert all(r.completion_tokens == 20 for r in results)
     assert engine.stats.preemptions == 0  # evicting the cached prefixes made room
