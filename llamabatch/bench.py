@@ -53,6 +53,10 @@ class SweepSettings:
         per_seq = -(-(self.prompt_tokens + self.gen_tokens + 1) // 256) * 256
         return self.n_ctx or max(self.batch_sizes) * per_seq
 
+    @property
+    def describe_kv(self) -> str:
+        return ("unified" if self.kv_unified else "per-sequence") + " KV" + (", shared prompt" if self.shared_prompt else "")
+
     def n_kv(self, b: int) -> int:
         """llama-batched-bench's N_KV: the tokens the batch puts in the KV cache."""
         prompt = self.prompt_tokens * (1 if self.shared_prompt and self.kv_unified else b)

@@ -241,14 +241,16 @@ def sweep(
         bench.native_tool()  # fail now, not after minutes of measuring
     if plot is not None:
         from . import plot as plotting  # matplotlib is an extra: say so before measuring
-    points = _sweep(model, config, settings, baselines, json_out=json_out, verbose=verbose)
+    points, model_name = _sweep(model, config, settings, baselines, json_out=json_out, verbose=verbose)
     if csv is not None:
         display.write_csv(csv, [p.to_dict() for p in points])
     if plot is not None:
-        plotting.sweep_plot(points, plot, title=f"{model or 'default model'}: PP {prompt_tokens}, TG {gen_tokens}")
+        plotting.sweep_plot(points, plot, title=f"{model_name}: PP {prompt_tokens}, TG {gen_tokens}, {settings.describe_kv}")
 
 
-def _sweep(model, config, settings: bench.SweepSettings, baselines: set[str], *, json_out: bool, verbose: bool) -> list:
+def _sweep(
+    model, config, settings: bench.SweepSettings, baselines: set[str], *, json_out: bool, verbose: bool
+) -> tuple[list[bench.SweepPoint], str]:
     """Measure every batch size, then the baselines, showing the table as it fills."""
     sizes = settings.batch_sizes
     n_steps = len(sizes) * (2 if "sequential" in baselines else 1)
@@ -269,7 +271,7 @@ def _sweep(model, config, settings: bench.SweepSettings, baselines: set[str], *,
     if json_out:
         for point in points:
             display.json_line(point.to_dict())
-    return points
+    return points, engine.model_name
 
 
 def _int_list(text: str, option: str) -> tuple[int, ...]:

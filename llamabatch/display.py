@@ -153,8 +153,7 @@ class SweepView:
         self.caption = (
             f"{model} · PP {settings.prompt_tokens} · TG {settings.gen_tokens} · n_ctx {settings.context} · "
             f"n_batch {settings.n_batch} · n_ubatch {settings.n_ubatch} · {n_threads} threads · "
-            f"{'unified' if settings.kv_unified else 'per-sequence'} KV"
-            f"{' · shared prompt' if settings.shared_prompt else ''} · median of {settings.repeat}"
+            f"{settings.describe_kv} · median of {settings.repeat}"
         )
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err)
         self.task = self.bar.add_task("warm-up", total=n_steps)
@@ -176,16 +175,18 @@ class SweepView:
             self.live.update(table if done else Group(table, self.bar))
 
 
-_THROUGHPUT = [
-    ("B", "batch_size", "{}"), ("N_KV", "n_kv", "{}"), ("S_PP", "s_pp", "{:.1f}"), ("S_TG", "s_tg", "{:.1f}"),
-    ("S", "s", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"), ("eff.", "efficiency", "{:.0%}"),
-    ("Llama S", "sequential_s", "{:.1f}"), ("vs Llama", "speedup_vs_sequential", "{:.2f}x"),
-    ("native S_TG", "native_s_tg", "{:.1f}"), ("S_TG/native", "s_tg_ratio", "{:.3f}"),
+_MS, _MIB = 1000, 1 / 2**20
+_THROUGHPUT = [  # (header, field, format, scale)
+    ("B", "batch_size", "{}", 1), ("N_KV", "n_kv", "{}", 1), ("S_PP", "s_pp", "{:.1f}", 1),
+    ("S_TG", "s_tg", "{:.1f}", 1), ("S", "s", "{:.1f}", 1), ("speedup", "speedup", "{:.2f}x", 1),
+    ("eff.", "efficiency", "{:.0%}", 1), ("Llama S", "sequential_s", "{:.1f}", 1),
+    ("vs Llama", "speedup_vs_sequential", "{:.2f}x", 1), ("native S_TG", "native_s_tg", "{:.1f}", 1),
+    ("S_TG/native", "s_tg_ratio", "{:.3f}", 1),
 ]
 _LATENCY = [
-    ("B", "batch_size", "{}"), ("TTFT p50", "ttft_p50_s", "{:.0f} ms"), ("TTFT p99", "ttft_p99_s", "{:.0f} ms"),
-    ("TPOT p50", "tpot_p50_s", "{:.1f} ms"), ("TPOT p99", "tpot_p99_s", "{:.1f} ms"),
-    ("KV cache", "kv_bytes", "{:.1f} MiB"), ("peak RSS", "peak_rss_bytes", "{:.0f} MiB"),
+    ("B", "batch_size", "{}", 1), ("TTFT p50", "ttft_p50_s", "{:.0f} ms", _MS), ("TTFT p99", "ttft_p99_s", "{:.0f} ms", _MS),
+    ("TPOT p50", "tpot_p50_s", "{:.1f} ms", _MS), ("TPOT p99", "tpot_p99_s", "{:.1f} ms", _MS),
+    ("KV cache", "kv_bytes", "{:.1f} MiB", _MIB), ("peak RSS", "peak_rss_bytes", "{:.0f} MiB", _MIB),
 ]
 
 
@@ -197,21 +198,11 @@ def sweep_table(points: list, caption: str) -> Group:
 def _table(points: list, columns: list, title: str) -> Table:
     shown = [c for c in columns if any(getattr(p, c[1]) is not None for p in points)]
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-    for header, _, _ in shown:
+    for header, *_ in shown:
         table.add_column(header, justify="right", no_wrap=True)
     for p in points:
-        table.add_row(*(_cell(getattr(p, key), key, fmt) for _, key, fmt in shown))
+        table.add_row(*("-" if getattr(p, key) is None else fmt.format(getattr(p, key) * scale) for _, key, fmt, scale in shown))
     return table
-
-
-def _cell(value, key: str, fmt: str) -> str:
-    if value is None:
-        return "-"
-    if key.endswith("_s") and key != "s":
-        value *= 1000
-    elif key.endswith("bytes"):
-        value /= 2**20
-    return fmt.format(value)
 
 
 def write_csv(path, rows: list[dict]) -> None:
