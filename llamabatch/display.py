@@ -135,6 +135,7 @@ def plan_table(row: dict) -> None:
          f"{', --kv-unified' if row['kv_unified'] else ''})"),
         ("  KV cache", mib(row["kv_bytes"])),
         ("  compute + logits buffers", mib(row["compute_bytes"] + row["output_bytes"])),
+        ("  Python and libraries", mib(row["process_bytes"])),
         ("  total", mib(row["total_bytes"])),
     ]
     if "allocated_kv_bytes" in row:

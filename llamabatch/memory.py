@@ -80,6 +80,7 @@ class Plan:
     kv_bytes: int
     compute_bytes: int  # llama.cpp's graph buffer, estimated: the logits of one ubatch dominate
     output_bytes: int  # one row of logits per sequence
+    process_bytes: int  # what this process used before loading the model (Python, libraries)
     budget_bytes: int
 
     @property
@@ -88,25 +89,26 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
-        return self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes
+        return self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.process_bytes
 
 
 def plan(
     model: Model, shape: KvShape, ctx_per_seq: int, budget_bytes: int, *,
-    kv_unified: bool = False, n_ubatch: int = 512, max_parallel: int | None = None,
+    kv_unified: bool = False, n_ubatch: int = 512, max_parallel: int | None = None, process_bytes: int = 0,
 ) -> Plan:
     """The largest n_parallel (at least 1) whose model, KV cache and buffers fit in budget_bytes."""
     limit = llama_cpp.llama_max_parallel_sequences()
     ctx_per_seq = pad(ctx_per_seq)
     n_vocab = model.vocab.n_vocab
-    # The graph buffer measured 514.5 MiB for Gemma 3 270M at n_ubatch 512, of which the
-    # logits are 512 MiB; 10% on top covers the activations of wider models.
-    compute = int(4 * n_vocab * n_ubatch * 1.1)
+    # llama.cpp's graph buffer holds one ubatch's logits plus activations that it reuses:
+    # measured 514.5 MiB for Gemma 3 270M at n_ubatch 512, 512 MiB of it logits and 2.5 MiB
+    # (2 floats of n_embd per token) the rest; 4 floats of n_embd per token leave a margin.
+    compute = 4 * n_ubatch * (n_vocab + 4 * llama_cpp.llama_model_n_embd(model.handle))
 
     def at(n: int) -> Plan:
         return Plan(
             ctx_per_seq, n, kv_unified, model.size_bytes, shape.kv_bytes(ctx_per_seq * n, n, kv_unified, n_ubatch),
-            compute, 4 * n_vocab * n, budget_bytes,
+            compute, 4 * n_vocab * n, process_bytes, budget_bytes,
         )
 
     best = at(1)
@@ -124,16 +126,18 @@ def plan_for(
     max_parallel: int | None = None, verbose: bool = False,
 ) -> tuple[Plan, KvShape]:
     """Plan a catalog model (or GGUF path): by default each sequence gets the catalog's
-    per-sequence context, and the budget is the memory available now."""
+    per-sequence context, and the budget is the memory available now plus what this process
+    already holds. The budget covers the whole process: Python and its libraries too."""
     spec = Catalog.load(catalog).resolve(model)
     if memory is None and llama_cpp.llama_supports_gpu_offload() and spec.gpu_layers != 0:
         raise ConfigError("this llama.cpp offloads to a GPU: give --memory, the GPU memory to plan for")
     init_backend(verbose)
+    process = current_rss()
     with Model(spec.gguf_path(), gpu_layers=0) as loaded:
         shape = KvShape.of(loaded)
         result = plan(
-            loaded, shape, ctx_per_seq or spec.n_ctx // spec.parallel, memory or available_memory(),
-            kv_unified=kv_unified, n_ubatch=n_ubatch or spec.n_ubatch, max_parallel=max_parallel,
+            loaded, shape, ctx_per_seq or spec.n_ctx // spec.parallel, memory or available_memory() + process,
+            kv_unified=kv_unified, n_ubatch=n_ubatch or spec.n_ubatch, max_parallel=max_parallel, process_bytes=process,
         )
     if result.total_bytes > result.budget_bytes:
         raise ConfigError(
@@ -141,6 +145,15 @@ def plan_for(
             f"more than the {result.budget_bytes / 2**30:.2f} GiB budget"
         )
     return result, shape
+
+
+def current_rss() -> int:
+    """This process's resident memory now (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def available_memory() -> int:

@@ -3,7 +3,7 @@
 
 32 prompts x 64 greedy tokens (EOS ignored) at --parallel 4, 16 and 32; each setting runs
 --repeat times, the two layouts alternating, and the median tokens/s is printed.
-"prefix" prepends the same ~100-token instruction to every prompt (shared KV when possible).
+"prefix" prepends the same 72-token instruction to every prompt (shared KV when possible).
 
     python scripts/bench_kv_layout.py [--model NAME] [--repeat 3] [--json]
 """

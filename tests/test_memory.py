@@ -61,10 +61,10 @@ def test_a_budget_too_small_for_one_sequence_is_refused(tiny_model):
 
 
 def test_plan_cli_checks_its_estimate_against_llama_cpp(tiny_model):
-    result = CliRunner().invoke(app, ["plan", "-m", str(tiny_model), "--ctx", "512", "--memory", "64MiB", "--check", "--json"])
+    result = CliRunner().invoke(app, ["plan", "-m", str(tiny_model), "--ctx", "512", "--memory", "1GiB", "--check", "--json"])
     assert result.exit_code == 0, result.output
     row = json.loads(result.stdout)
-    assert row["n_parallel"] >= 1 and row["total_bytes"] <= 64 * 2**20
+    assert row["n_parallel"] >= 1 and row["total_bytes"] <= 2**30
     assert within_5_percent(row["kv_bytes"], row["allocated_kv_bytes"])
 
 
