@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import functools
-import json
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -15,6 +14,7 @@ from .catalog import Catalog, ModelSpec
 from .engine import BatchEngine
 from .errors import LlamabatchError
 from .memory import parse_size, plan_for
+from .prompts import gather_prompts
 from .native import Model, init_backend
 from .results import Result
 from .sampling import SamplingParams
@@ -26,7 +26,6 @@ app = typer.Typer(
 )
 
 _DEFAULT = SamplingParams()
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Catalog name or path to a .gguf file.")]
 CatalogOpt = Annotated[Optional[Path], typer.Option("--config", help="models.toml to use instead of the packaged one.")]
@@ -100,7 +99,7 @@ def run(
         repeat_penalty=repeat_penalty, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, n=n,
     )
-    prompts, params = _gather_prompts(prompt or [], prompts_file, base)
+    prompts, params = gather_prompts(prompt or [], prompts_file, base)
     n_parallel, ctx = _slots(
         parallel, ctx, memory, model=model, catalog=config, kv_unified=bool(kv_unified),
         n_ubatch=ubatch_size, n_sequences=sum(p.n for p in params), verbose=verbose,
@@ -293,50 +292,6 @@ def _model_row(spec: ModelSpec) -> dict:
             trained_ctx=model.n_ctx_train, file_bytes=path.stat().st_size, path=str(path),
         )
     return row
-
-
-def _gather_prompts(
-    prompts: list[str], prompts_file: Path | None, base: SamplingParams
-) -> tuple[list[str], list[SamplingParams]]:
-    params = [base] * len(prompts)
-    if prompts_file is not None:
-        file_prompts, file_params = _read_prompts_file(prompts_file, base)
-        prompts, params = prompts + file_prompts, params + file_params
-    if not prompts:
-        raise LlamabatchError("no prompts: give -p PROMPT (repeatable) or --prompts-file FILE")
-    return prompts, params
-
-
-def _read_prompts_file(path: Path, base: SamplingParams) -> tuple[list[str], list[SamplingParams]]:
-    """Plain text (one prompt per non-blank line) or JSON Lines ({"prompt": ..., sampling fields})."""
-    if not path.is_file():
-        raise LlamabatchError(f"prompts file not found: {path}")
-    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-    if not lines or not lines[0][1].lstrip().startswith("{"):
-        return [line for _, line in lines], [base] * len(lines)
-    prompts, params = [], []
-    for n, line in lines:
-        prompt, sampling = _parse_jsonl_entry(line, f"{path}:{n}")
-        try:
-            params.append(replace(base, **sampling))
-        except LlamabatchError as e:
-            raise LlamabatchError(f"{path}:{n}: {e}") from None
-        prompts.append(prompt)
-    return prompts, params
-
-
-def _parse_jsonl_entry(line: str, where: str) -> tuple[str, dict]:
-    try:
-        entry = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise LlamabatchError(f"{where}: not valid JSON ({e.msg})") from None
-    if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
-        raise LlamabatchError(f"{where}: expected an object with a string 'prompt'")
-    unknown = set(entry) - _SAMPLING_FIELDS - {"prompt"}
-    if unknown:
-        raise LlamabatchError(f"{where}: unknown fields {sorted(unknown)}")
-    prompt = entry.pop("prompt")
-    return prompt, entry
 
 
 def _result_json(result: Result) -> dict:
