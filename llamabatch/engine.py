@@ -82,7 +82,10 @@ class BatchEngine:
         if isinstance(prompt, str):
             tokens = self.tokenize_prompt(prompt)
         else:
-            tokens, prompt = list(prompt), self.vocab.detokenize(prompt)
+            tokens = [int(t) for t in prompt]
+            if not all(0 <= t < self.vocab.n_vocab for t in tokens):
+                raise PromptError(f"prompt has token ids outside the vocabulary [0, {self.vocab.n_vocab})")
+            prompt = self.vocab.detokenize(tokens)
         if len(tokens) > self.ctx.n_ctx_seq:
             raise PromptError(
                 f"prompt is {len(tokens)} tokens, longer than the {self.ctx.n_ctx_seq}-token context "

@@ -167,10 +167,11 @@ def test_repeat_penalty_covers_prompt_and_output(make_engine):
 
 def test_a_bad_prompt_fails_alone(make_engine):
     engine = make_engine(n_ctx=512, n_parallel=2)  # 256 tokens per sequence
-    results = engine.generate(["hello", "", "word " * 300, "world"], GREEDY)
-    assert [r.finish_reason for r in results] == ["length", "error", "error", "length"]
+    results = engine.generate(["hello", "", "word " * 300, "world", [1, 2, 10**7]], GREEDY)
+    assert [r.finish_reason for r in results] == ["length", "error", "error", "length", "error"]
     assert results[1].error == "empty prompt"
     assert "longer than the 256-token context" in results[2].error
+    assert "token ids outside the vocabulary" in results[4].error
     assert results[0].completion_tokens == results[3].completion_tokens == GREEDY.max_tokens
     with pytest.raises(PromptError, match="empty prompt"):
         engine.add("")
