@@ -273,6 +273,39 @@ def _sweep(
     return points, engine.model_name
 
 
+@command
+def serve(
+    model: ModelOpt = None,
+    config: CatalogOpt = None,
+    parallel: Annotated[Optional[int], typer.Option("--parallel", "-np", help="Sequences decoded together (slots).")] = None,
+    ctx: CtxOpt = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
+    max_queue: Annotated[int, typer.Option(help="Sequences that may wait for a slot; beyond, requests get 429.")] = 256,
+    request_timeout: Annotated[float, typer.Option(help="Seconds before a request is cancelled (504).")] = 600.0,
+    batch_size: BatchOpt = None,
+    ubatch_size: UbatchOpt = None,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    kv_unified: KvUnifiedOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """An OpenAI-compatible server: concurrent requests share the running batch."""
+    import uvicorn
+
+    from .server import ServerSettings, create_app
+
+    Catalog.load(config).resolve(model).gguf_path()  # an unknown model or a missing file fails here, not in a thread
+    engine = dict(
+        model=model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
+        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, verbose=verbose,
+    )
+    app = create_app(ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout))
+    display.err.print(f"llamabatch serving on http://{host}:{port}/v1 (Ctrl-C stops)")
+    uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
+
+
 def _int_list(text: str, option: str) -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in text.split(","))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -48,7 +49,7 @@ class BatchEngine:
             chat=chat, verbose=verbose,
         )
         self.model_name = spec.name
-        self._chat_template = spec.chat_template
+        self.chat_template = spec.chat_template  # a llama.cpp built-in for GGUFs without one
         path = spec.gguf_path()
         init_backend(verbose)
         cfg = self.config
@@ -66,6 +67,7 @@ class BatchEngine:
         self.scheduler = Scheduler(cfg.n_parallel, self.ctx.n_batch, cfg.share_prefixes)
         self.stats = RunStats()
         self._next_index = 0
+        self._uids = itertools.count()
 
     # -- submitting work -------------------------------------------------------------
 
@@ -98,7 +100,7 @@ class BatchEngine:
 
     def _new_sequence(self, index: int, sample: int, prompt: str, tokens: list[int], params: SamplingParams) -> Sequence:
         sampler = build_sampler(params, self.vocab.n_vocab, self.ctx.n_ctx_seq)
-        seq = Sequence(index, prompt, params, list(tokens), len(tokens), sampler=sampler, sample=sample)
+        seq = Sequence(index, prompt, params, list(tokens), len(tokens), sampler=sampler, sample=sample, uid=next(self._uids))
         if params.uses_penalties:
             for token in tokens:  # penalties look back over the prompt too, as llama.cpp's server does
                 seq.sampler.accept(token)
@@ -129,7 +131,7 @@ class BatchEngine:
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         if self.config.chat:
-            prompt = self.model.apply_chat_template([{"role": "user", "content": prompt}], self._chat_template)
+            prompt = self.model.apply_chat_template([{"role": "user", "content": prompt}], self.chat_template)
         return self.vocab.tokenize(prompt)
 
     # -- running -----------------------------------------------------------------------
@@ -182,6 +184,19 @@ class BatchEngine:
             if seq.status is Status.FINISHED:
                 yield self._event(seq, None, "", "error", seq.error)
         yield from self.run()
+
+    def cancel(self, seq: Sequence) -> Event | None:
+        """Stop a sequence now (its client went away): a queued one leaves the queue, a running
+        one frees its slot at once. Returns its last event, or None if it had already finished."""
+        if seq.status is Status.FINISHED:
+            return None
+        if seq.status is Status.WAITING:
+            self.scheduler.waiting.remove(seq)
+            seq.status = Status.FINISHED
+            seq.finish_reason, seq.t_finished = "cancelled", time.perf_counter()
+            seq.sampler.close()
+            return self._event(seq, None, "", "cancelled")
+        return self._finish(seq, None, "", "cancelled")
 
     def reset_stats(self) -> None:
         self.stats = RunStats()
@@ -253,7 +268,7 @@ class BatchEngine:
 
     @staticmethod
     def _event(seq: Sequence, token: int | None, text: str, reason: str | None = None, error: str | None = None) -> Event:
-        return Event(seq.index, token, text, reason, error, seq.sample)
+        return Event(seq.index, token, text, reason, error, seq.sample, seq.uid)
 
     def _recover_kv_full(self, scheduled: list[Sequence]) -> list[Event]:
         """No KV slot for this batch: undo it, then make room by dropping cached prefixes,

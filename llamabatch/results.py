@@ -12,9 +12,10 @@ class Event:
     index: int  # the prompt's position in the caller's input
     token: int | None  # None for an event that carries only the end (or an error)
     text: str  # newly shown text; may be empty (half a UTF-8 character, a possible stop prefix)
-    finish_reason: str | None = None  # "stop", "length" or "error" on the last event
+    finish_reason: str | None = None  # "stop", "length", "error" or "cancelled" on the last event
     error: str | None = None
     sample: int = 0  # which of the prompt's n samples
+    uid: int = -1  # the sequence's engine-wide id (indices repeat across submit calls)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ class Sequence:
     n_chunk: int = 0  # tokens the scheduler put in the current batch
     i_batch: int = -1  # batch row whose logits we sample from this step, or -1
     sample: int = 0  # which of the prompt's n samples
+    uid: int = -1  # unique within its engine
     # Prefix sharing: a follower waits (unscheduled) until its leader has n_shared tokens in
     # the KV cache, then gets them copied instead of decoding them itself.
     leader: Sequence | None = None

@@ -72,6 +72,10 @@ def write_tiny_model(
     w.add_unk_token_id(UNK)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
+    # A ChatML template, which llama.cpp recognises among its built-ins, for chat endpoints.
+    w.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    )
 
     embd = weight(n_vocab, n_embd, scale=1.0)
     output = weight(n_vocab, n_embd, scale=1.0)

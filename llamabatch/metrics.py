@@ -1,0 +1,60 @@
+"""The server's Prometheus metrics, fed by the engine worker's hooks (prometheus_client)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .sequence import Sequence
+from .worker import EngineWorker, Observer
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.running = Gauge("llamabatch_sequences_running", "Sequences holding a slot", registry=r)
+        self.queued = Gauge("llamabatch_sequences_queued", "Sequences waiting for a slot", registry=r)
+        self.kv_cells = Gauge("llamabatch_kv_cells_used", "KV cells held by running sequences", registry=r)
+        self.finished = Counter("llamabatch_requests_finished", "Requests answered in full", registry=r)
+        self.failed = Counter("llamabatch_requests_failed", "Requests refused, cancelled or timed out", registry=r)
+        self.prompt_tokens = Counter("llamabatch_prompt_tokens", "Prompt tokens of finished sequences", registry=r)
+        self.generated_tokens = Counter("llamabatch_generated_tokens", "Tokens sampled", registry=r)
+        self.active = Histogram(
+            "llamabatch_active_sequences_per_decode", "Sequences in each llama_decode call",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
+        )
+        self.step_seconds = Histogram("llamabatch_step_seconds", "Time per engine step", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("llamabatch_time_to_first_token_seconds", "Submission to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("llamabatch_inter_token_latency_seconds", "Between a sequence's tokens", buckets=_LATENCY_BUCKETS, registry=r)
+
+    def watch(self, worker: EngineWorker) -> None:
+        """Gauges read the worker's state when scraped."""
+        self.running.set_function(lambda: worker.running)
+        self.queued.set_function(lambda: worker.queued)
+        self.kv_cells.set_function(lambda: sum(s.n_past for s in worker.engine.scheduler.running) if worker.engine else 0)
+
+    def observer(self) -> Observer:
+        return Observer(on_step=self._on_step, on_token=self._on_token, on_finish=self._on_finish)
+
+    def _on_step(self, n_sequences: int, seconds: float) -> None:
+        if n_sequences:
+            self.active.observe(n_sequences)
+            self.step_seconds.observe(seconds)
+
+    def _on_token(self, seq: Sequence, since_last: float | None) -> None:
+        self.generated_tokens.inc()
+        if since_last is None:
+            self.ttft.observe(time.perf_counter() - seq.t_submitted)
+        else:
+            self.itl.observe(since_last)
+
+    def _on_finish(self, seq: Sequence) -> None:
+        self.prompt_tokens.inc(seq.n_prompt)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,326 @@
+"""`llamabatch serve`: an OpenAI-compatible HTTP server whose requests share one running batch.
+
+Every request becomes one or more sequences in the engine worker's queue; they join the
+batch at its next step and leave when done (continuous batching). Streams are Server-Sent
+Events in OpenAI's chunk format. A client that goes away has its sequences cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, HTTPException, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
+
+from .engine import BatchEngine
+from .errors import LlamabatchError
+from .metrics import Metrics
+from .results import Event
+from .sampling import SamplingParams
+from .worker import EngineWorker, QueueFull, Request
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    engine: dict  # BatchEngine keyword arguments (model, n_parallel, n_ctx, ...)
+    api_key: str | None = None
+    max_queue: int = 256  # sequences waiting for a slot before requests get 429
+    request_timeout: float = 600.0  # seconds until a request is cancelled and answered 504
+
+
+# -- request bodies ---------------------------------------------------------------------
+
+
+class SamplingFields(BaseModel):
+    """OpenAI's sampling fields (their defaults), plus llama.cpp's top_k and min_p."""
+
+    model: str | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    n: int = 1
+    ignore_eos: bool = False
+
+    def params(self) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        fields = self.model_dump(exclude={"model", "stop"} | set(self._extra_fields()))
+        return SamplingParams(**fields, stop=tuple(stop))
+
+    def _extra_fields(self) -> set[str]:
+        return set(type(self).model_fields) - set(SamplingFields.model_fields)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    stream: bool = False
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+
+
+class BatchRequest(SamplingFields):
+    prompts: list[str] = Field(min_length=1)
+
+
+# -- the app -----------------------------------------------------------------------------
+
+
+def create_app(settings: ServerSettings) -> FastAPI:
+    metrics = Metrics()
+    worker = EngineWorker(lambda: BatchEngine(**settings.engine), settings.max_queue, metrics.observer())
+    metrics.watch(worker)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()  # loads the model in its thread: /health says 503 until then
+        yield
+        worker.stop()
+
+    app = FastAPI(title="llamabatch", lifespan=lifespan)
+    authorized = _authorization(settings.api_key)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):
+        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if p != "body")
+        return _error(400, f"{where}: {first['msg']}" if where else first["msg"])
+
+    @app.get("/health")
+    async def health():
+        if worker.load_error is not None:
+            return _error(503, f"the model failed to load: {worker.load_error}", kind="server_error")
+        if not worker.ready.is_set() or worker.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_text():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        engine = _engine(worker)
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0, "owned_by": "llamabatch"}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, http: HttpRequest):
+        prompts = _prompts(body.prompt)
+        job = await _submit(worker, prompts, _params(body), metrics)
+        reply = _Reply(job, _engine(worker).model_name, "text_completion", settings.request_timeout, metrics)
+        if body.stream:
+            return StreamingResponse(reply.completion_chunks(worker), media_type="text/event-stream")
+        return await reply.completion(worker, http)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatRequest, http: HttpRequest):
+        engine = _engine(worker)
+        messages = [m.model_dump() for m in body.messages]
+        try:
+            prompt = engine.model.apply_chat_template(messages, engine.chat_template)
+        except LlamabatchError as e:
+            raise HTTPException(400, str(e)) from None
+        job = await _submit(worker, [prompt], _params(body), metrics)
+        reply = _Reply(job, engine.model_name, "chat.completion", settings.request_timeout, metrics)
+        if body.stream:
+            return StreamingResponse(reply.chat_chunks(worker), media_type="text/event-stream")
+        return await reply.chat(worker, http)
+
+    @app.post("/v1/batch/completions", dependencies=[Depends(authorized)])
+    async def batch_completions(body: BatchRequest, http: HttpRequest):
+        job = await _submit(worker, body.prompts, _params(body), metrics)
+        reply = _Reply(job, _engine(worker).model_name, "batch.completion", settings.request_timeout, metrics)
+        return await reply.batch(worker, http)
+
+    return app
+
+
+def _authorization(api_key: str | None):
+    async def check(http: HttpRequest) -> None:
+        if api_key is None:
+            return
+        given = http.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise HTTPException(401, "missing or wrong API key (Authorization: Bearer KEY)")
+
+    return check
+
+
+def _engine(worker: EngineWorker) -> BatchEngine:
+    if worker.engine is None:
+        raise HTTPException(503, "the model is still loading")
+    return worker.engine
+
+
+def _prompts(prompt) -> list:
+    """OpenAI's prompt: a string, a list of strings, a list of token ids, or a list of those."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise HTTPException(400, "prompt: must not be empty")
+    return list(prompt)
+
+
+def _params(body: SamplingFields) -> SamplingParams:
+    try:
+        return body.params()
+    except LlamabatchError as e:
+        raise HTTPException(400, str(e)) from None
+
+
+async def _submit(worker: EngineWorker, prompts: list, params: SamplingParams, metrics: Metrics) -> Request:
+    """Hand the prompts to the engine; 429 when the queue is full, 400 when a prompt cannot run."""
+    _engine(worker)
+    job = Request(loop=asyncio.get_running_loop())
+    try:
+        worker.submit(job, prompts, [params] * len(prompts))
+    except QueueFull as e:
+        metrics.failed.inc()
+        raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
+    await job.submitted
+    rejected = [seq for seq in job.sequences if seq.finish_reason == "error"]
+    if rejected:
+        worker.cancel(job)
+        metrics.failed.inc()
+        raise HTTPException(400, f"prompt {rejected[0].index}: {rejected[0].error}")
+    return job
+
+
+class _Reply:
+    """Turns one request's events into OpenAI responses: whole, or as a stream of chunks."""
+
+    def __init__(self, job: Request, model: str, kind: str, timeout: float, metrics: Metrics) -> None:
+        self.job, self.model, self.kind, self.timeout, self.metrics = job, model, kind, timeout, metrics
+        self.id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self.n_open = len(job.sequences)
+
+    def choice_index(self, seq_or_event) -> int:
+        n = self.job.sequences[0].params.n
+        return seq_or_event.index * n + seq_or_event.sample
+
+    async def events(self, worker: EngineWorker, http: HttpRequest | None = None) -> AsyncIterator[Event]:
+        """This request's events until every sequence has finished; cancels them if the client
+        leaves, the request times out, or the consumer stops early."""
+        deadline = self.job.t_start + self.timeout
+        try:
+            while self.n_open:
+                try:
+                    event = await asyncio.wait_for(self.job.events.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if http is not None and await http.is_disconnected():
+                        return
+                    if time.perf_counter() > deadline:
+                        raise HTTPException(504, f"the request took longer than {self.timeout:g} s") from None
+                    continue
+                self.n_open -= event.finish_reason is not None
+                yield event
+        finally:
+            if self.n_open:
+                worker.cancel(self.job)
+                self.metrics.failed.inc()
+            else:
+                self.metrics.finished.inc()
+
+    def usage(self) -> dict:
+        prompt = sum(s.n_prompt for s in self.job.sequences if s.sample == 0)
+        completion = sum(s.n_generated for s in self.job.sequences)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _object(self, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    async def _drain(self, worker: EngineWorker, http: HttpRequest) -> None:
+        async for _ in self.events(worker, http):
+            pass
+        if self.n_open:
+            raise HTTPException(499, "the client disconnected")
+
+    async def completion(self, worker: EngineWorker, http: HttpRequest) -> dict:
+        await self._drain(worker, http)
+        choices = [
+            {"index": self.choice_index(s), "text": s.text.text, "logprobs": None, "finish_reason": s.finish_reason}
+            for s in self.job.sequences
+        ]
+        return self._object(sorted(choices, key=lambda c: c["index"]), usage=self.usage())
+
+    async def chat(self, worker: EngineWorker, http: HttpRequest) -> dict:
+        await self._drain(worker, http)
+        choices = [
+            {"index": s.sample, "message": {"role": "assistant", "content": s.text.text}, "finish_reason": s.finish_reason}
+            for s in self.job.sequences
+        ]
+        return self._object(choices, usage=self.usage())
+
+    async def batch(self, worker: EngineWorker, http: HttpRequest) -> dict:
+        await self._drain(worker, http)
+        results = []
+        for seq in self.job.sequences:
+            result = seq.result()
+            results.append({
+                "index": result.index, "sample": result.sample, "text": result.text, "finish_reason": result.finish_reason,
+                "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens},
+                "timings": result.timings and {"queue_s": result.timings.queue_s, "ttft_s": result.timings.ttft_s,
+                                               "decode_s": result.timings.decode_s},
+            })
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "results": results,
+                "usage": self.usage(), "timings": {"wall_s": time.perf_counter() - self.job.t_start}}
+
+    async def completion_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
+        async for event in self.events(worker):
+            if event.text or event.finish_reason:
+                choice = {"index": self.choice_index(event), "text": event.text, "logprobs": None,
+                          "finish_reason": _reason(event)}
+                yield _sse(self._object([choice]))
+        yield _sse(self._object([], usage=self.usage()))
+        yield "data: [DONE]\n\n"
+
+    async def chat_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
+        for seq in self.job.sequences:
+            yield _sse(self._object([{"index": seq.sample, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                                    object="chat.completion.chunk"))
+        async for event in self.events(worker):
+            if event.text or event.finish_reason:
+                delta = {"content": event.text} if event.text else {}
+                choice = {"index": event.sample, "delta": delta, "finish_reason": _reason(event)}
+                yield _sse(self._object([choice], object="chat.completion.chunk"))
+        yield _sse(self._object([], object="chat.completion.chunk", usage=self.usage()))
+        yield "data: [DONE]\n\n"
+
+
+def _reason(event: Event) -> str | None:
+    return event.finish_reason if event.finish_reason in (None, "stop", "length") else "stop"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error(status: int, message: str, kind: str | None = None, headers: dict | None = None) -> JSONResponse:
+    kind = kind or {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                        status_code=status, headers=headers)

@@ -1,0 +1,180 @@
+"""One thread owns the engine and steps it; requests from other threads reach it through an inbox.
+
+The engine (and the llama.cpp context under it) is touched only by the worker thread. Callers
+submit prompts and get a Request back; each step's events are pushed to the Request's asyncio
+queue on the caller's event loop. Cancelling a Request frees its sequences at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .engine import BatchEngine
+from .errors import LlamabatchError
+from .results import Event
+from .sampling import SamplingParams
+from .sequence import Sequence
+
+
+class QueueFull(LlamabatchError):
+    """More sequences are waiting than the server's --max-queue allows."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One caller's sequences, and the queue their events arrive on."""
+
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sequences: list[Sequence] = field(default_factory=list)
+    submitted: asyncio.Future | None = None  # resolves once the engine has taken the prompts
+    t_start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finish_reason is not None for seq in self.sequences)
+
+
+@dataclass
+class Observer:
+    """Hooks the worker calls from its thread (the server feeds its metrics from them)."""
+
+    on_step: Callable[[int, float], None] = lambda n_sequences, seconds: None
+    on_token: Callable[[Sequence, float | None], None] = lambda seq, since_last: None
+    on_finish: Callable[[Sequence], None] = lambda seq: None
+
+
+class EngineWorker:
+    def __init__(self, load: Callable[[], BatchEngine], max_queue: int, observer: Observer | None = None) -> None:
+        self._load = load
+        self.max_queue = max_queue
+        self.observer = observer or Observer()
+        self.engine: BatchEngine | None = None
+        self.load_error: BaseException | None = None
+        self.ready = threading.Event()
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._owners: dict[int, Request] = {}  # sequence uid -> its request
+        self._last_token_at: dict[int, float] = {}
+        self._pending = 0  # sequences submitted but not yet taken by the worker thread
+        self._pending_lock = threading.Lock()  # both threads update it
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llamabatch-engine", daemon=True)
+
+    # -- called from other threads ------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(lambda: None)  # wake it
+        self._thread.join()
+
+    @property
+    def queued(self) -> int:
+        """Sequences waiting for a slot, including those not yet handed to the engine."""
+        return self._pending + (len(self.engine.scheduler.waiting) if self.engine else 0)
+
+    @property
+    def running(self) -> int:
+        return len(self.engine.scheduler.running) if self.engine else 0
+
+    def submit(self, request: Request, prompts: list, params: list[SamplingParams]) -> None:
+        """Queue prompts for `request`; raises QueueFull when the queue cannot take them all."""
+        n = sum(p.n for p in params)
+        with self._pending_lock:
+            if self.queued + n > self.max_queue:
+                raise QueueFull(f"the queue is full ({self.queued} sequences waiting, --max-queue {self.max_queue})")
+            self._pending += n
+        request.submitted = request.loop.create_future()
+        self._inbox.put(lambda: self._take(request, prompts, params))
+
+    def cancel(self, request: Request) -> None:
+        self._inbox.put(lambda: self._cancel(request))
+
+    # -- the worker thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._load()
+        except BaseException as e:  # reported by /health; the server cannot serve without it
+            self.load_error = e
+            return
+        finally:
+            self.ready.set()
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox(block=not self.engine.has_work)
+                if self.engine.has_work:
+                    self._step()
+        finally:
+            self.engine.close()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            job = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                job()
+                job = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _take(self, request: Request, prompts: list, params: list[SamplingParams]) -> None:
+        with self._pending_lock:
+            self._pending -= sum(p.n for p in params)
+        try:
+            sequences = self.engine.submit(prompts, params)
+        except Exception as e:  # e.g. a chat template the model cannot render
+            request.loop.call_soon_threadsafe(_resolve, request.submitted, e)
+            return
+        request.sequences = sequences
+        for seq in sequences:
+            if seq.finish_reason is None:
+                self._owners[seq.uid] = request
+        request.loop.call_soon_threadsafe(_resolve, request.submitted, None)
+
+    def _cancel(self, request: Request) -> None:
+        for seq in request.sequences:
+            if self.engine.cancel(seq) is not None:
+                self._forget(seq)
+
+    def _step(self) -> None:
+        slots_before = self.engine.stats.sequence_slots
+        started = time.perf_counter()
+        events = self.engine.step()
+        now = time.perf_counter()
+        self.observer.on_step(self.engine.stats.sequence_slots - slots_before, now - started)
+        for event in events:
+            self._deliver(event, now)
+
+    def _deliver(self, event: Event, now: float) -> None:
+        request = self._owners.get(event.uid)
+        if request is None:
+            return
+        seq = next(s for s in request.sequences if s.uid == event.uid)
+        if event.token is not None:
+            last = self._last_token_at.get(event.uid)
+            self.observer.on_token(seq, None if last is None else now - last)
+            self._last_token_at[event.uid] = now
+        if event.finish_reason is not None:
+            self._forget(seq)
+        request.loop.call_soon_threadsafe(request.events.put_nowait, event)
+
+    def _forget(self, seq: Sequence) -> None:
+        self._owners.pop(seq.uid, None)
+        self._last_token_at.pop(seq.uid, None)
+        self.observer.on_finish(seq)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,198 @@
+"""`llamabatch serve` on 127.0.0.1 with the tiny model, driven by the official openai client and httpx."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from llamabatch import BatchEngine, SamplingParams
+from llamabatch.server import ServerSettings, create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve(tiny_model):
+    """Start servers (real uvicorn, real engine thread) on free ports; all stopped afterwards."""
+    servers = []
+
+    def start(n_parallel: int = 4, n_ctx: int | None = None, **settings) -> str:
+        engine = dict(model=tiny_model, n_parallel=n_parallel, n_ctx=n_ctx or 512 * n_parallel, n_threads=2)
+        app = create_app(ServerSettings(engine=engine, **settings))
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    return base
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("server did not start")
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def base(serve) -> str:
+    return serve()
+
+
+@pytest.fixture(scope="module")
+def client(base) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def metric(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_completion_equals_the_engine_and_reports_usage(client, tiny_model):
+    reply = client.completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    with BatchEngine(tiny_model, n_parallel=1, n_threads=2) as engine:
+        expected = engine.generate(["hello world"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert reply.choices[0].text == expected.text and reply.choices[0].finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (expected.prompt_tokens, 8)
+    assert reply.usage.total_tokens == expected.prompt_tokens + 8
+
+
+def test_a_list_of_prompts_with_n_samples_gives_every_choice(client):
+    reply = client.completions.create(model="tiny", prompt=["hello", "Once upon a time"], n=2, max_tokens=4, seed=3,
+                                      extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3]
+    assert reply.usage.completion_tokens == 16
+
+
+def test_streamed_chunks_add_up_to_the_whole_completion(client):
+    settings = dict(model="tiny", prompt="the capital of France is", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**settings).choices[0].text
+    chunks = list(client.completions.create(stream=True, **settings))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_stop_strings_cut_the_text(client):
+    full = client.completions.create(model="tiny", prompt="abc", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    stop = text[5:7]
+    cut = client.completions.create(model="tiny", prompt="abc", max_tokens=20, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_chat_completion_whole_and_streamed(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    settings = dict(model="tiny", messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**settings)
+    assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens == 6
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **settings) if c.choices)
+    assert streamed == whole.choices[0].message.content
+
+
+def test_models_health_and_batch_endpoint(base, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    reply = httpx.post(f"{base}/v1/batch/completions", json={"prompts": ["a", "bb", "ccc"], "max_tokens": 3, "ignore_eos": True}).json()
+    assert [r["index"] for r in reply["results"]] == [0, 1, 2]
+    assert all(r["usage"]["completion_tokens"] == 3 and r["timings"]["ttft_s"] > 0 for r in reply["results"])
+    assert reply["usage"]["completion_tokens"] == 9 and reply["timings"]["wall_s"] > 0
+
+
+def test_concurrent_requests_share_decode_steps(base, client):
+    before = metric(base, "llamabatch_active_sequences_per_decode_sum") / max(1, metric(base, "llamabatch_active_sequences_per_decode_count"))
+
+    def ask(i: int) -> int:
+        reply = client.completions.create(model="tiny", prompt=f"request {i}", max_tokens=40, extra_body={"ignore_eos": True})
+        return reply.usage.completion_tokens
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(ask, range(4))) == [40] * 4
+    total = metric(base, "llamabatch_active_sequences_per_decode_sum")
+    steps = metric(base, "llamabatch_active_sequences_per_decode_count")
+    ones = metric(base, 'llamabatch_active_sequences_per_decode_bucket{le="1.0"}')
+    assert total / steps > before and ones < steps  # some decodes carried several requests' sequences
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_sequence(base, client):
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # it is generating
+    deadline = time.monotonic() + 10
+    while metric(base, "llamabatch_sequences_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(base, "llamabatch_sequences_running") == 0  # cancelled long before 400 tokens
+    reply = client.completions.create(model="tiny", prompt="still fine", max_tokens=5, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 5
+
+
+def test_a_full_queue_answers_429_with_retry_after(serve):
+    base = serve(n_parallel=1, max_queue=1, n_ctx=8192)
+    url = f"{base}/v1/completions"
+    long = {"prompt": "slow", "max_tokens": 8000, "stream": True, "ignore_eos": True}
+    pool = ThreadPoolExecutor(1)
+    with httpx.stream("POST", url, json=long, timeout=60) as first:
+        lines = first.iter_lines()  # kept: a dropped iterator closes the connection
+        assert next(lines)  # it holds the only slot
+        second = pool.submit(httpx.post, url, json={"prompt": "next", "max_tokens": 5}, timeout=60)
+        deadline = time.monotonic() + 10
+        while metric(base, "llamabatch_sequences_queued") < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        refused = httpx.post(url, json=long)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert second.result().status_code == 200  # the queued request ran once the first client left
+    pool.shutdown()
+
+
+def test_bad_json_and_bad_parameters_are_400_with_an_openai_error(base, client):
+    bad_json = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and "error" in bad_json.json()
+    with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
+        client.completions.create(model="tiny", prompt="x", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="empty prompt"):
+        client.completions.create(model="tiny", prompt=["fine", ""])
+    missing = httpx.post(f"{base}/v1/completions", json={"max_tokens": 3})
+    assert missing.status_code == 400 and "prompt" in missing.json()["error"]["message"]
+
+
+def test_an_api_key_is_required_when_set(serve):
+    base = serve(api_key="s3cret")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(f"{base}/v1/models").status_code == 401
+    good = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)
+    assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    assert httpx.get(f"{base}/health").status_code == 200  # health and metrics stay open
+
+
+def test_streams_follow_the_sse_format(base):
+    body = {"prompt": "hi", "max_tokens": 3, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
