@@ -12,7 +12,7 @@ from .config import EngineConfig
 from .errors import DecodeError, PromptError
 from .native import Batch, Context, Model, init_backend
 from .results import Event, Result, RunStats
-from .sampling import SamplingParams, build_sampler
+from .sampling import SamplingParams, build_sampler, token_logprob
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -244,6 +244,9 @@ class BatchEngine:
     def _sample(self, seq: Sequence) -> Event:
         token = seq.sampler.sample(self.ctx, seq.i_batch)
         seq.tokens.append(token)
+        if seq.params.logprobs is not None:
+            logits = self.ctx.logits(seq.i_batch, self.vocab.n_vocab)
+            seq.logprobs.append(token_logprob(logits, token, seq.params.logprobs))
         self.stats.completion_tokens += 1
         if seq.t_first_token is None:
             seq.t_first_token = time.perf_counter()
@@ -268,7 +271,8 @@ class BatchEngine:
 
     @staticmethod
     def _event(seq: Sequence, token: int | None, text: str, reason: str | None = None, error: str | None = None) -> Event:
-        return Event(seq.index, token, text, reason, error, seq.sample, seq.uid)
+        logprob = seq.logprobs[-1] if token is not None and seq.logprobs else None
+        return Event(seq.index, token, text, reason, error, seq.sample, seq.uid, logprob)
 
     def _recover_kv_full(self, scheduled: list[Sequence]) -> list[Event]:
         """No KV slot for this batch: undo it, then make room by dropping cached prefixes,

@@ -16,6 +16,17 @@ class Event:
     error: str | None = None
     sample: int = 0  # which of the prompt's n samples
     uid: int = -1  # the sequence's engine-wide id (indices repeat across submit calls)
+    logprob: TokenLogprob | None = None  # with SamplingParams.logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (raw logits, before temperature and
+    truncation), and the most likely tokens at that position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
 
 
 @dataclass(frozen=True)

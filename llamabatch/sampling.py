@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import llama_cpp
+import numpy as np
 
 from .errors import SamplingError
 from .native import Context, SamplerChain
+from .results import TokenLogprob
 
 MAX_SEED = 2**32 - 2  # 2**32 - 1 is llama.cpp's "pick a random seed"
 MAX_SAMPLES = 1024
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False  # keep generating past end-of-generation tokens (benchmarks)
     n: int = 1  # samples of the prompt; they share its KV, sample k uses seed + k
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives
 
     def __post_init__(self) -> None:
         # Lists from JSON or the CLI become tuples so params stay hashable and immutable.
@@ -57,6 +61,8 @@ class SamplingParams:
             yield f"seed must be in [0, {MAX_SEED}], got {self.seed}"
         if not 1 <= self.n <= MAX_SAMPLES:
             yield f"n must be in [1, {MAX_SAMPLES}], got {self.n}"
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            yield f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
         if any(not s for s in self.stop):
             yield "stop strings must not be empty"
 
@@ -118,3 +124,12 @@ def build_sampler(params: SamplingParams, n_vocab: int, n_ctx: int) -> GreedySam
     seed = llama_cpp.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
     chain.add(llama_cpp.llama_sampler_init_dist(seed))
     return chain
+
+
+def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
+    """The token's log-probability under softmax(logits), and the k most likely tokens'."""
+    peak = float(logits.max())
+    log_total = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
+    top = np.argpartition(-logits, k)[:k] if k else np.empty(0, dtype=np.int64)
+    top = top[np.argsort(-logits[top])]
+    return TokenLogprob(token, float(logits[token]) - log_total, tuple((int(t), float(logits[t]) - log_total) for t in top))

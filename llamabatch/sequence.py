@@ -9,7 +9,7 @@ from enum import Enum
 import numpy as np
 
 from .native import SamplerChain
-from .results import Result, Timings
+from .results import Result, Timings, TokenLogprob
 from .sampling import GreedySampler, SamplingParams
 from .text import TextStream
 
@@ -45,6 +45,7 @@ class Sequence:
     i_batch: int = -1  # batch row whose logits we sample from this step, or -1
     sample: int = 0  # which of the prompt's n samples
     uid: int = -1  # unique within its engine
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked for
     # Prefix sharing: a follower waits (unscheduled) until its leader has n_shared tokens in
     # the KV cache, then gets them copied instead of decoding them itself.
     leader: Sequence | None = None

@@ -58,7 +58,10 @@ class SamplingFields(BaseModel):
     def params(self) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         fields = self.model_dump(exclude={"model", "stop"} | set(self._extra_fields()))
-        return SamplingParams(**fields, stop=tuple(stop))
+        return SamplingParams(**fields, stop=tuple(stop), logprobs=self.logprob_count())
+
+    def logprob_count(self) -> int | None:
+        return None
 
     def _extra_fields(self) -> set[str]:
         return set(type(self).model_fields) - set(SamplingFields.model_fields)
@@ -67,6 +70,10 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     stream: bool = False
+    logprobs: int | None = None  # the sampled token's log-probability and this many alternatives
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -77,6 +84,11 @@ class ChatMessage(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class BatchRequest(SamplingFields):
@@ -131,7 +143,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     async def completions(body: CompletionRequest, http: HttpRequest):
         prompts = _prompts(body.prompt)
         job = await _submit(worker, prompts, _params(body), metrics)
-        reply = _Reply(job, _engine(worker).model_name, "text_completion", settings.request_timeout, metrics)
+        reply = _Reply(job, _engine(worker), "text_completion", settings.request_timeout, metrics)
         if body.stream:
             return StreamingResponse(reply.completion_chunks(worker), media_type="text/event-stream")
         return await reply.completion(worker, http)
@@ -145,7 +157,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         except LlamabatchError as e:
             raise HTTPException(400, str(e)) from None
         job = await _submit(worker, [prompt], _params(body), metrics)
-        reply = _Reply(job, engine.model_name, "chat.completion", settings.request_timeout, metrics)
+        reply = _Reply(job, engine, "chat.completion", settings.request_timeout, metrics)
         if body.stream:
             return StreamingResponse(reply.chat_chunks(worker), media_type="text/event-stream")
         return await reply.chat(worker, http)
@@ -153,7 +165,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @app.post("/v1/batch/completions", dependencies=[Depends(authorized)])
     async def batch_completions(body: BatchRequest, http: HttpRequest):
         job = await _submit(worker, body.prompts, _params(body), metrics)
-        reply = _Reply(job, _engine(worker).model_name, "batch.completion", settings.request_timeout, metrics)
+        reply = _Reply(job, _engine(worker), "batch.completion", settings.request_timeout, metrics)
         return await reply.batch(worker, http)
 
     return app
@@ -213,8 +225,9 @@ async def _submit(worker: EngineWorker, prompts: list, params: SamplingParams, m
 class _Reply:
     """Turns one request's events into OpenAI responses: whole, or as a stream of chunks."""
 
-    def __init__(self, job: Request, model: str, kind: str, timeout: float, metrics: Metrics) -> None:
-        self.job, self.model, self.kind, self.timeout, self.metrics = job, model, kind, timeout, metrics
+    def __init__(self, job: Request, engine: BatchEngine, kind: str, timeout: float, metrics: Metrics) -> None:
+        self.job, self.model, self.kind, self.timeout, self.metrics = job, engine.model_name, kind, timeout, metrics
+        self.vocab = engine.vocab  # pieces are cached and read-only: safe beside the engine thread
         self.id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.n_open = len(job.sequences)
@@ -246,6 +259,30 @@ class _Reply:
             else:
                 self.metrics.finished.inc()
 
+    def _sequence(self, event: Event):
+        return next(s for s in self.job.sequences if s.uid == event.uid)
+
+    def _completion_logprobs(self, logprobs: list, seq) -> dict | None:
+        """OpenAI's legacy completions format: parallel lists per token."""
+        if seq.params.logprobs is None:
+            return None
+        vocab = self.vocab
+        return {
+            "tokens": [_piece(vocab, lp.token) for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{_piece(vocab, t): v for t, v in lp.top} for lp in logprobs],
+        }
+
+    def _chat_logprobs(self, logprobs: list, seq) -> dict | None:
+        """OpenAI's chat format: one entry per token, with its alternatives."""
+        if seq.params.logprobs is None:
+            return None
+
+        def entry(token: int, logprob: float) -> dict:
+            return {"token": _piece(self.vocab, token), "logprob": logprob, "bytes": list(self.vocab.piece(token))}
+
+        return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
+
     def usage(self) -> dict:
         prompt = sum(s.n_prompt for s in self.job.sequences if s.sample == 0)
         completion = sum(s.n_generated for s in self.job.sequences)
@@ -263,7 +300,8 @@ class _Reply:
     async def completion(self, worker: EngineWorker, http: HttpRequest) -> dict:
         await self._drain(worker, http)
         choices = [
-            {"index": self.choice_index(s), "text": s.text.text, "logprobs": None, "finish_reason": s.finish_reason}
+            {"index": self.choice_index(s), "text": s.text.text, "logprobs": self._completion_logprobs(s.logprobs, s),
+             "finish_reason": s.finish_reason}
             for s in self.job.sequences
         ]
         return self._object(sorted(choices, key=lambda c: c["index"]), usage=self.usage())
@@ -271,7 +309,8 @@ class _Reply:
     async def chat(self, worker: EngineWorker, http: HttpRequest) -> dict:
         await self._drain(worker, http)
         choices = [
-            {"index": s.sample, "message": {"role": "assistant", "content": s.text.text}, "finish_reason": s.finish_reason}
+            {"index": s.sample, "message": {"role": "assistant", "content": s.text.text},
+             "logprobs": self._chat_logprobs(s.logprobs, s), "finish_reason": s.finish_reason}
             for s in self.job.sequences
         ]
         return self._object(choices, usage=self.usage())
@@ -293,8 +332,10 @@ class _Reply:
     async def completion_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
         async for event in self.events(worker):
             if event.text or event.finish_reason:
-                choice = {"index": self.choice_index(event), "text": event.text, "logprobs": None,
-                          "finish_reason": _reason(event)}
+                seq = self._sequence(event)
+                logprobs = [event.logprob] if event.logprob else []
+                choice = {"index": self.choice_index(event), "text": event.text,
+                          "logprobs": self._completion_logprobs(logprobs, seq), "finish_reason": _reason(event)}
                 yield _sse(self._object([choice]))
         yield _sse(self._object([], usage=self.usage()))
         yield "data: [DONE]\n\n"
@@ -306,10 +347,15 @@ class _Reply:
         async for event in self.events(worker):
             if event.text or event.finish_reason:
                 delta = {"content": event.text} if event.text else {}
-                choice = {"index": event.sample, "delta": delta, "finish_reason": _reason(event)}
+                logprobs = self._chat_logprobs([event.logprob] if event.logprob else [], self._sequence(event))
+                choice = {"index": event.sample, "delta": delta, "logprobs": logprobs, "finish_reason": _reason(event)}
                 yield _sse(self._object([choice], object="chat.completion.chunk"))
         yield _sse(self._object([], object="chat.completion.chunk", usage=self.usage()))
         yield "data: [DONE]\n\n"
+
+
+def _piece(vocab, token: int) -> str:
+    return vocab.piece(token).decode(errors="replace")
 
 
 def _reason(event: Event) -> str | None:

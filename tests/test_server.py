@@ -196,3 +196,20 @@ def test_streams_follow_the_sse_format(base):
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
+
+
+def test_logprobs_of_each_token_with_alternatives(client):
+    reply = client.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0, logprobs=3,
+                                      extra_body={"ignore_eos": True})
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and chosen <= 0  # a dict by text: byte tokens that render alike collide
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+    plain = client.completions.create(model="tiny", prompt="hello", max_tokens=2)
+    assert plain.choices[0].logprobs is None
