@@ -205,7 +205,7 @@ def test_logprobs_of_each_token_with_alternatives(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 3 and chosen <= 0  # a dict by text: byte tokens that render alike collide
-        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely token
+        assert chosen >= max(top.values()) - 1e-6  # greedy picks the most likely token
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
