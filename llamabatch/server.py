@@ -240,15 +240,19 @@ class _Reply:
         """This request's events until every sequence has finished; cancels them if the client
         leaves, the request times out, or the consumer stops early."""
         deadline = self.job.t_start + self.timeout
+        next_check = time.perf_counter() + 0.5
         try:
             while self.n_open:
+                now = time.perf_counter()
+                if now > deadline:
+                    raise HTTPException(504, f"the request took longer than {self.timeout:g} s")
+                if http is not None and now >= next_check:  # a waiting client that hung up
+                    if await http.is_disconnected():
+                        return
+                    next_check = now + 0.5
                 try:
                     event = await asyncio.wait_for(self.job.events.get(), timeout=0.5)
                 except asyncio.TimeoutError:
-                    if http is not None and await http.is_disconnected():
-                        return
-                    if time.perf_counter() > deadline:
-                        raise HTTPException(504, f"the request took longer than {self.timeout:g} s") from None
                     continue
                 self.n_open -= event.finish_reason is not None
                 yield event
@@ -330,6 +334,14 @@ class _Reply:
                 "usage": self.usage(), "timings": {"wall_s": time.perf_counter() - self.job.t_start}}
 
     async def completion_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
+        async for chunk in _errors_as_events(self._completion_chunks(worker)):
+            yield chunk
+
+    async def chat_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
+        async for chunk in _errors_as_events(self._chat_chunks(worker)):
+            yield chunk
+
+    async def _completion_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
         async for event in self.events(worker):
             if event.text or event.finish_reason:
                 seq = self._sequence(event)
@@ -340,7 +352,7 @@ class _Reply:
         yield _sse(self._object([], usage=self.usage()))
         yield "data: [DONE]\n\n"
 
-    async def chat_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
+    async def _chat_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
         for seq in self.job.sequences:
             yield _sse(self._object([{"index": seq.sample, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
                                     object="chat.completion.chunk"))
@@ -352,6 +364,15 @@ class _Reply:
                 yield _sse(self._object([choice], object="chat.completion.chunk"))
         yield _sse(self._object([], object="chat.completion.chunk", usage=self.usage()))
         yield "data: [DONE]\n\n"
+
+
+async def _errors_as_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Once a stream has started its status is sent: an error (a timeout) becomes an error event."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except HTTPException as e:
+        yield _sse({"error": {"message": str(e.detail), "type": "server_error", "param": None, "code": e.status_code}})
 
 
 def _piece(vocab, token: int) -> str:

@@ -213,3 +213,24 @@ def test_logprobs_of_each_token_with_alternatives(client):
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
     plain = client.completions.create(model="tiny", prompt="hello", max_tokens=2)
     assert plain.choices[0].logprobs is None
+
+
+def test_a_request_past_its_timeout_is_cancelled_with_504(serve):
+    base = serve(n_parallel=1, n_ctx=8192, request_timeout=0.5)
+    whole = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 8000, "ignore_eos": True}, timeout=30)
+    assert whole.status_code == 504 and "longer than 0.5 s" in whole.json()["error"]["message"]
+    body = {"prompt": "x", "max_tokens": 8000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as response:
+        last = [line for line in response.iter_lines() if line.startswith("data: ")][-1]
+    assert json.loads(last[6:])["error"]["code"] == 504
+    assert metric(base, "llamabatch_sequences_running") == 0
+
+
+def test_a_waiting_client_that_hangs_up_frees_its_sequence(serve):
+    base = serve(n_parallel=1, n_ctx=8192)  # 8000 tokens take seconds: long enough to hang up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 8000, "ignore_eos": True}, timeout=0.3)
+    deadline = time.monotonic() + 1.5
+    while metric(base, "llamabatch_sequences_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(base, "llamabatch_sequences_running") == 0
