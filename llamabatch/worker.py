@@ -35,10 +35,6 @@ class Request:
     submitted: asyncio.Future | None = None  # resolves once the engine has taken the prompts
     t_start: float = field(default_factory=time.perf_counter)
 
-    @property
-    def finished(self) -> bool:
-        return all(seq.finish_reason is not None for seq in self.sequences)
-
 
 @dataclass
 class Observer:

@@ -234,3 +234,38 @@ def test_a_waiting_client_that_hangs_up_frees_its_sequence(serve):
     while metric(base, "llamabatch_sequences_running") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metric(base, "llamabatch_sequences_running") == 0
+
+
+def test_health_is_503_with_the_reason_when_the_model_cannot_load(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    app = create_app(ServerSettings(engine=dict(model=broken, n_parallel=1, n_ctx=256)))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health")
+                if "failed to load" in health.text:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        assert health.status_code == 503 and "failed to load" in health.json()["error"]["message"]
+        refused = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"})
+        assert refused.status_code == 503
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_serve_refuses_an_unknown_model_before_listening():
+    from typer.testing import CliRunner
+
+    from llamabatch.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "-m", "no-such-model"])
+    assert result.exit_code == 1 and "no-such-model" in result.output
