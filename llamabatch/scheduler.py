@@ -116,9 +116,10 @@ class Scheduler:
         without one worth keeping, the lowest seq_id. With a per-sequence KV cache llama.cpp puts
         only consecutive seq_ids in one ubatch, so dense low ids keep a step to one graph."""
         best, n_best = min(self._free, key=lambda slot: slot.seq_id), 0
+        worth_keeping = min(MIN_SHARED_PREFIX, len(seq.tokens))  # a whole short prompt counts
         for slot in self._free if self.share_prefixes else ():
             n = common_prefix(slot.cached, seq.tokens)
-            if n >= MIN_SHARED_PREFIX and n > n_best:
+            if n >= worth_keeping and n > n_best:
                 best, n_best = slot, n
         self._free.remove(best)
         self._slots[best.seq_id] = best

@@ -99,3 +99,13 @@ def test_sharing_can_be_turned_off(make_engine):
     engine.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert engine.stats.prompt_tokens_evaluated == 5 * len(engine.tokenize_prompt(prompt))
     assert engine.stats.prompt_tokens_reused == 0
+
+
+@pytest.mark.parametrize("prompt", ["hi", "Once upon a time, in a land far away"], ids=["short", "long"])
+def test_more_samples_than_slots_reuse_the_prompt_from_a_finished_slot(make_engine, prompt):
+    engine = make_engine(n_parallel=4)
+    results = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=8))
+    assert len(results) == 8 and all(r.completion_tokens == 5 for r in results)
+    # the first wave decodes the prompt once; the second takes it from a finished slot's cache
+    # and decodes only its last token again, for the logits
+    assert engine.stats.prompt_tokens_evaluated == len(engine.tokenize_prompt(prompt)) + 1
