@@ -21,6 +21,11 @@ from .sampling import SamplingParams
 from .sequence import Sequence
 
 
+# A client whose stream has this many events it has not read has stopped reading: its
+# sequences are cancelled rather than generated into a buffer nobody empties.
+MAX_UNREAD_EVENTS = 256
+
+
 class QueueFull(LlamabatchError):
     """More sequences are waiting than the server's --max-queue allows."""
 
@@ -136,8 +141,10 @@ class EngineWorker:
 
     def _cancel(self, request: Request) -> None:
         for seq in request.sequences:
-            if self.engine.cancel(seq) is not None:
+            event = self.engine.cancel(seq)
+            if event is not None:
                 self._forget(seq)
+                request.loop.call_soon_threadsafe(request.events.put_nowait, event)
 
     def _step(self) -> None:
         slots_before = self.engine.stats.sequence_slots
@@ -160,6 +167,8 @@ class EngineWorker:
         if event.finish_reason is not None:
             self._forget(seq)
         request.loop.call_soon_threadsafe(request.events.put_nowait, event)
+        if request.events.qsize() > MAX_UNREAD_EVENTS:
+            self._cancel(request)
 
     def _forget(self, seq: Sequence) -> None:
         self._owners.pop(seq.uid, None)

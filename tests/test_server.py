@@ -269,3 +269,24 @@ def test_serve_refuses_an_unknown_model_before_listening():
 
     result = CliRunner().invoke(app, ["serve", "-m", "no-such-model"])
     assert result.exit_code == 1 and "no-such-model" in result.output
+
+
+def test_a_client_that_stops_reading_its_stream_is_cancelled(serve):
+    base = serve(n_parallel=8, n_ctx=8 * 4096)
+    port = int(base.rsplit(":", 1)[1])
+    generated = metric(base, "llamabatch_generated_tokens_total")
+    # 8 streams of up to 4000 tokens, ~1 KB per chunk with 20 alternatives: they outgrow the
+    # socket buffers (4 MiB here) within a few seconds once the client stops reading
+    body = {"prompt": "x", "max_tokens": 4000, "n": 8, "ignore_eos": True, "stream": True, "logprobs": 20}
+    data = json.dumps(body).encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        time.sleep(0.5)
+        deadline = time.monotonic() + 20
+        while metric(base, "llamabatch_sequences_running") and time.monotonic() < deadline:
+            time.sleep(0.05)  # never reading from sock
+        assert metric(base, "llamabatch_sequences_running") == 0
+    assert metric(base, "llamabatch_generated_tokens_total") - generated < 0.75 * 8 * 4000  # cut short
