@@ -39,6 +39,7 @@ class SweepSettings:
     n_threads: int | None = None
     gpu_layers: int | None = None
     kv_unified: bool = False
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -55,7 +56,8 @@ class SweepSettings:
 
     @property
     def describe_kv(self) -> str:
-        return ("unified" if self.kv_unified else "per-sequence") + " KV" + (", shared prompt" if self.shared_prompt else "")
+        return (("unified" if self.kv_unified else "per-sequence") + " KV" + (", shared prompt" if self.shared_prompt else "")
+                + (", deterministic" if self.deterministic else ""))
 
     def n_kv(self, b: int) -> int:
         """llama-batched-bench's N_KV: the tokens the batch puts in the KV cache."""

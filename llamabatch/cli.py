@@ -40,6 +40,9 @@ UbatchOpt = Annotated[Optional[int], typer.Option("--ubatch-size", "-ub", help="
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", "-ngl", help="Layers on the GPU (-1 = all).")]
 KvUnifiedOpt = Annotated[Optional[bool], typer.Option("--kv-unified/--no-kv-unified", help="One KV buffer shared by all sequences.")]
+DeterministicOpt = Annotated[
+    Optional[bool], typer.Option("--deterministic", help="Same output alone or in any batch (CPU; slower prefill, see README).")
+]
 SharePrefixesOpt = Annotated[
     Optional[bool], typer.Option("--share-prefixes/--no-share-prefixes", help="Copy common prompt prefixes' KV instead of decoding them again.")
 ]
@@ -88,6 +91,7 @@ def run(
     gpu_layers: GpuLayersOpt = None,
     kv_unified: KvUnifiedOpt = None,
     share_prefixes: SharePrefixesOpt = None,
+    deterministic: DeterministicOpt = None,
     chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template.")] = None,
     stream: Annotated[bool, typer.Option(help="Show each sequence's text live.")] = False,
     json_out: JsonOpt = False,
@@ -107,7 +111,7 @@ def run(
     with BatchEngine(
         model, catalog=config, n_parallel=n_parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
         n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
-        chat=chat, verbose=verbose,
+        deterministic=deterministic, chat=chat, verbose=verbose,
     ) as engine:
         sequences = engine.submit(prompts, params)
         _drive(engine, sequences, live=stream and not json_out)
@@ -222,6 +226,7 @@ def sweep(
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
     kv_unified: Annotated[bool, typer.Option("--kv-unified/--no-kv-unified", help="One KV buffer shared by all sequences.")] = False,
+    deterministic: DeterministicOpt = None,
     json_out: JsonOpt = False,
     csv: Annotated[Optional[Path], typer.Option("--csv", help="Also write the table to this CSV file.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw throughput and latency against B into this PNG.")] = None,
@@ -234,7 +239,7 @@ def sweep(
     settings = bench.SweepSettings(
         batch_sizes=_int_list(batch_sizes, "--batch-sizes"), prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
         shared_prompt=shared_prompt, repeat=repeat, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
-        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified,
+        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, deterministic=bool(deterministic),
     )
     if "native" in baselines:
         bench.native_tool()  # fail now, not after minutes of measuring
@@ -256,7 +261,8 @@ def _sweep(
     with BatchEngine(
         model, catalog=config, n_parallel=max(sizes), n_ctx=settings.context, n_batch=settings.n_batch,
         n_ubatch=settings.n_ubatch, n_threads=settings.n_threads, gpu_layers=settings.gpu_layers,
-        kv_unified=settings.kv_unified, share_prefixes=settings.shared_prompt, verbose=verbose,
+        kv_unified=settings.kv_unified, share_prefixes=settings.shared_prompt and not settings.deterministic,
+        deterministic=settings.deterministic, verbose=verbose,
     ) as engine, display.SweepView(engine.model_name, settings, engine.config.n_threads, n_steps, live=not json_out) as view:
         points = []
         for point in bench.sweep(engine, settings, native="native" in baselines):
@@ -289,6 +295,7 @@ def serve(
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
     kv_unified: KvUnifiedOpt = None,
+    deterministic: DeterministicOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """An OpenAI-compatible server: concurrent requests share the running batch."""
@@ -299,11 +306,44 @@ def serve(
     Catalog.load(config).resolve(model).gguf_path()  # an unknown model or a missing file fails here, not in a thread
     engine = dict(
         model=model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
-        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, verbose=verbose,
+        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, deterministic=deterministic, verbose=verbose,
     )
     app = create_app(ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout))
     display.err.print(f"llamabatch serving on http://{host}:{port}/v1 (Ctrl-C stops)")
     uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
+
+
+@command
+def verify_determinism(
+    model: ModelOpt = None,
+    config: CatalogOpt = None,
+    prompts: Annotated[Optional[Path], typer.Option(help="Prompts, one per line (default: 16 built-in, about 10 to 400 tokens).")] = None,
+    parallel: Annotated[str, typer.Option("--parallel", "-np", help="Batch sizes to compare with the solo runs, comma-separated.")] = "8,16",
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy; above, seeded sampling.")] = 0.0,
+    seed: int = 1,
+    deterministic: Annotated[bool, typer.Option("--deterministic/--no-deterministic", help="Check the deterministic mode, or llama.cpp's defaults.")] = True,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Run each prompt alone and in batches; print the share whose tokens are identical."""
+    from .determinism import read_prompts, verify
+
+    if prompts is not None and not prompts.is_file():
+        raise LlamabatchError(f"prompts file not found: {prompts}")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
+    checks = verify(
+        read_prompts(prompts), list(_int_list(parallel, "--parallel")), params, deterministic=deterministic,
+        model=model, catalog=config, n_threads=threads, verbose=verbose,
+    )
+    if json_out:
+        for check in checks:
+            display.json_line(asdict(check))
+    else:
+        display.determinism_table(checks, deterministic)
+    if not all(c.identical for c in checks):
+        raise typer.Exit(1)
 
 
 def _int_list(text: str, option: str) -> tuple[int, ...]:

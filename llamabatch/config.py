@@ -25,6 +25,7 @@ class EngineConfig:
     gpu_layers: int = -1
     kv_unified: bool = False  # one KV buffer shared by all sequences instead of one each
     share_prefixes: bool = True  # copy common prompt prefixes' KV instead of decoding them again
+    deterministic: bool = False  # a sequence's output does not depend on what else is in the batch
     chat: bool = False
     verbose: bool = False
 
@@ -41,7 +42,11 @@ class EngineConfig:
             n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_ubatch=spec.n_ubatch, n_parallel=spec.parallel,
             n_threads=spec.threads, gpu_layers=spec.gpu_layers, chat=spec.chat,
         )
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if given.get("deterministic"):
+            # per-sequence KV and no partial prefix copies: both change a sequence's arithmetic
+            values.update(kv_unified=False, share_prefixes=False)
+        values.update(given)
         return cls(**values)
 
     def _problems(self):
@@ -62,5 +67,11 @@ class EngineConfig:
             yield f"--parallel {self.n_parallel} is more than --ctx {self.n_ctx} KV cells"
         if self.n_batch < self.n_parallel:
             yield f"n_batch ({self.n_batch}) must be at least --parallel ({self.n_parallel}): each sequence adds a token per step"
+        if self.deterministic and self.kv_unified:
+            yield "--deterministic needs a per-sequence KV cache: drop --kv-unified"
+        if self.deterministic and self.share_prefixes:
+            yield "--deterministic copies no prompt prefixes: drop --share-prefixes"
+        if self.deterministic and self.gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload():
+            yield "--deterministic is verified on CPU builds only: add --gpu-layers 0"
         if self.gpu_layers < -1:
             yield f"gpu_layers must be -1 (all) or >= 0, got {self.gpu_layers}"

@@ -206,6 +206,26 @@ def _table(points: list, columns: list, title: str) -> Table:
     return table
 
 
+def determinism_table(checks: list, deterministic: bool) -> None:
+    """Identical share per prompt-length bucket and batch size, then each divergence."""
+    buckets = [(0, 32), (33, 128), (129, 512), (513, 10**9)]
+    parallels = sorted({c.parallel for c in checks})
+    mode = "deterministic mode" if deterministic else "llama.cpp defaults"
+    table = Table(title=f"solo vs batched, token-identical ({mode})", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("prompt tokens")
+    for parallel in parallels:
+        table.add_column(f"--parallel {parallel}", justify="right")
+    for low, high in buckets:
+        rows = [[c for c in checks if c.parallel == p and low <= c.prompt_tokens <= high] for p in parallels]
+        if any(rows):
+            label = f"{low}-{high}" if high < 10**9 else f"> {low - 1}"
+            table.add_row(label, *(f"{sum(c.identical for c in r)}/{len(r)}" for r in rows))
+    out.print(table)
+    for c in checks:
+        if not c.identical:
+            out.print(f"prompt {c.index} ({c.prompt_tokens} tokens), --parallel {c.parallel}: differs from token {c.first_difference}")
+
+
 def write_csv(path, rows: list[dict]) -> None:
     import csv
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from .catalog import Catalog
 from .config import EngineConfig
 from .errors import DecodeError, PromptError
-from .native import Batch, Context, Model, init_backend
+from .native import Batch, Context, Model, init_backend, use_row_invariant_matmul
 from .results import Event, Result, RunStats
 from .sampling import SamplingParams, build_sampler, token_logprob
 from .scheduler import Scheduler
@@ -39,6 +39,7 @@ class BatchEngine:
         gpu_layers: int | None = None,
         kv_unified: bool | None = None,
         share_prefixes: bool | None = None,
+        deterministic: bool | None = None,
         chat: bool | None = None,
         verbose: bool = False,
     ) -> None:
@@ -46,25 +47,28 @@ class BatchEngine:
         self.config = EngineConfig.for_model(
             spec, n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
             n_threads=n_threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
-            chat=chat, verbose=verbose,
+            deterministic=deterministic, chat=chat, verbose=verbose,
         )
         self.model_name = spec.name
         self.chat_template = spec.chat_template  # a llama.cpp built-in for GGUFs without one
         path = spec.gguf_path()
         init_backend(verbose)
         cfg = self.config
-        self.model = Model(path, cfg.gpu_layers)
+        if cfg.deterministic:  # kernels that do not change with the number of rows; see README
+            use_row_invariant_matmul()
+        self.model = Model(path, cfg.gpu_layers, repack=not cfg.deterministic)
         try:
             self.ctx = Context(
                 self.model, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
                 n_seq_max=cfg.n_parallel, n_threads=cfg.n_threads, kv_unified=cfg.kv_unified,
+                flash_attn=False if cfg.deterministic else None,
             )
         except Exception:
             self.model.close()
             raise
         self.vocab = self.model.vocab
         self.batch = Batch(self.ctx.n_batch)
-        self.scheduler = Scheduler(cfg.n_parallel, self.ctx.n_batch, cfg.share_prefixes)
+        self.scheduler = Scheduler(cfg.n_parallel, self.ctx.n_batch, cfg.share_prefixes, isolate_prefill=cfg.deterministic)
         self.stats = RunStats()
         self._next_index = 0
         self._uids = itertools.count()

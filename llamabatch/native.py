@@ -7,6 +7,7 @@ Each class holds one handle and frees it exactly once in close() (or on leaving 
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -19,6 +20,9 @@ import numpy as np
 from .errors import ConfigError, DecodeError, LlamabatchError, ModelError
 
 _backend_ready = False
+# ggml reads GGML_CPU_TILED_MM once, at the process's first matmul: deterministic mode must
+# set it before anything is decoded.
+_decoded = False
 
 
 class _LogRouter:
@@ -53,6 +57,18 @@ _log = _LogRouter()
 @llama_cpp.llama_log_callback
 def _on_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     _log.write(text.decode(errors="replace"))
+
+
+def use_row_invariant_matmul() -> None:
+    """Turn off ggml's tiled K-quant matmul, whose results depend on how many rows a batch has."""
+    if os.environ.get("GGML_CPU_TILED_MM") == "0":
+        return
+    if _decoded:
+        raise ConfigError(
+            "--deterministic must be chosen before this process decodes anything "
+            "(ggml reads GGML_CPU_TILED_MM once); start a new process, or set GGML_CPU_TILED_MM=0"
+        )
+    os.environ["GGML_CPU_TILED_MM"] = "0"
 
 
 def init_backend(verbose: bool = False) -> None:
@@ -142,9 +158,10 @@ class Vocab:
 class Model(_Owner):
     kind = "model"
 
-    def __init__(self, path: Path, gpu_layers: int = -1) -> None:
+    def __init__(self, path: Path, gpu_layers: int = -1, repack: bool = True) -> None:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
+        params.use_extra_bufts = repack  # CPU weight repacking: faster, but kernels differ by row count
         with _log.capture() as log:
             handle = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not handle:
@@ -212,7 +229,7 @@ class Context(_Owner):
 
     def __init__(
         self, model: Model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
-        n_threads: int, kv_unified: bool,
+        n_threads: int, kv_unified: bool, flash_attn: bool | None = None,
     ) -> None:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
@@ -222,6 +239,7 @@ class Context(_Owner):
         params.n_threads = params.n_threads_batch = n_threads
         params.kv_unified = kv_unified
         params.swa_full = False  # as llama.cpp's own tools: sliding-window layers keep only their window
+        params.flash_attn_type = {None: -1, False: 0, True: 1}[flash_attn]  # None: llama.cpp decides
         params.no_perf = True
         with _log.capture() as log:
             handle = llama_cpp.llama_init_from_model(model.handle, params)
@@ -244,6 +262,8 @@ class Context(_Owner):
         llama_cpp.llama_free(handle)
 
     def decode(self, batch: Batch) -> None:
+        global _decoded
+        _decoded = True
         code = llama_cpp.llama_decode(self.handle, batch.struct)
         if code != 0:
             raise DecodeError(code)

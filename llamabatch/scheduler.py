@@ -34,11 +34,15 @@ class Scheduler:
     prefix follows it: it waits, and gets the prefix copied once the leader has it.
     """
 
-    def __init__(self, n_slots: int, n_batch: int, share_prefixes: bool = True) -> None:
+    def __init__(self, n_slots: int, n_batch: int, share_prefixes: bool = True, isolate_prefill: bool = False) -> None:
         if n_batch < n_slots:
             raise ValueError(f"n_batch ({n_batch}) must be at least the number of slots ({n_slots})")
         self.n_batch = n_batch
         self.share_prefixes = share_prefixes
+        # Deterministic mode: a prompt is prefilled alone, exactly as it would be with no other
+        # sequence, and decode steps hold only decodes; the two kinds of step alternate.
+        self.isolate_prefill = isolate_prefill
+        self._last_was_prefill = False
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free: list[Slot] = [Slot(i) for i in range(n_slots)]
@@ -74,6 +78,8 @@ class Scheduler:
         ready = [s for s in self.running if s.leader is None]
         generating = [s for s in ready if not s.is_prefilling]
         prefilling = [s for s in ready if s.is_prefilling]
+        if self.isolate_prefill:
+            return self._isolated(generating, prefilling)
         budget = self.n_batch - len(generating)
         for seq in generating:
             seq.n_chunk = 1
@@ -86,6 +92,17 @@ class Scheduler:
             budget -= seq.n_chunk
             scheduled.append(seq)
         return sorted(scheduled, key=lambda s: s.seq_id)  # rows in seq_id order: see _take_slot
+
+    def _isolated(self, generating: list[Sequence], prefilling: list[Sequence]) -> list[Sequence]:
+        """One prompt's prefill alone (the whole prompt, as a solo run does), or every decode."""
+        self._last_was_prefill = bool(prefilling) and not (self._last_was_prefill and generating)
+        if self._last_was_prefill:
+            seq = prefilling[0]
+            seq.n_chunk = min(seq.n_pending, self.n_batch)
+            return [seq]
+        for seq in generating:
+            seq.n_chunk = 1
+        return sorted(generating, key=lambda s: s.seq_id)
 
     def release(self, seq: Sequence) -> None:
         """A running sequence finished: its slot keeps its KV for a later prompt that shares a prefix."""
