@@ -378,3 +378,7 @@ def _result_json(result: Result) -> dict:
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,13 @@
 from __future__ import annotations
 
+import os
+
+# Deterministic mode turns off ggml's tiled K-quant matmul, which ggml reads once per process
+# at the first matmul: set it before any test decodes, so deterministic engines can run in
+# this process too. (A fresh `llamabatch --deterministic` process sets it itself; a test runs
+# that path in a subprocess.)
+os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+
 from pathlib import Path
 
 import llama_cpp
