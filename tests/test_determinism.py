@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import llamabatch.native as native
-from llamabatch import BatchEngine, SamplingParams
+from llamabatch import SamplingParams
 from llamabatch.determinism import verify
 from llamabatch.errors import ConfigError
 from llamabatch.scheduler import Scheduler
