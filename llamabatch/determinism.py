@@ -12,6 +12,7 @@ from pathlib import Path
 from .engine import BatchEngine
 from .errors import PromptError
 from .sampling import SamplingParams
+from .sequence import common_prefix
 
 # Prompts of about 10 to 400 tokens (Gemma's tokenizer), in two styles.
 _TEXT = (
@@ -52,9 +53,14 @@ def verify(
         with BatchEngine(n_parallel=parallel, n_ctx=parallel * ctx_per_seq, deterministic=deterministic, **engine) as batch:
             together = _staggered(batch, prompts, params)
         for i, (a, b) in enumerate(zip((r.token_ids for r in alone), together)):
-            first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
-            checks.append(Check(i, lengths[i], parallel, a == b, first))
+            checks.append(Check(i, lengths[i], parallel, a == b, _first_difference(a, b)))
     return checks
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """Where two token lists first differ (the shorter one's length if one extends the other)."""
+    n = common_prefix(a, b)
+    return None if n == len(a) == len(b) else n
 
 
 def _staggered(engine: BatchEngine, prompts: list[str], params: SamplingParams) -> list[list[int]]:

@@ -194,12 +194,6 @@ class BatchEngine:
         one frees its slot at once. Returns its last event, or None if it had already finished."""
         if seq.status is Status.FINISHED:
             return None
-        if seq.status is Status.WAITING:
-            self.scheduler.waiting.remove(seq)
-            seq.status = Status.FINISHED
-            seq.finish_reason, seq.t_finished = "cancelled", time.perf_counter()
-            seq.sampler.close()
-            return self._event(seq, None, "", "cancelled")
         return self._finish(seq, None, "", "cancelled")
 
     def reset_stats(self) -> None:

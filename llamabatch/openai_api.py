@@ -83,6 +83,7 @@ class Reply:
         self.id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.n_open = len(job.sequences)
+        self._by_uid = {seq.uid: seq for seq in job.sequences}
 
     def choice_index(self, seq_or_event) -> int:
         n = self.job.sequences[0].params.n
@@ -116,7 +117,7 @@ class Reply:
                 self.metrics.finished.inc()
 
     def _sequence(self, event: Event):
-        return next(s for s in self.job.sequences if s.uid == event.uid)
+        return self._by_uid[event.uid]
 
     def _completion_logprobs(self, logprobs: list, seq) -> dict | None:
         """OpenAI's legacy completions format: parallel lists per token."""

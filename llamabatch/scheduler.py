@@ -105,8 +105,12 @@ class Scheduler:
         return sorted(generating, key=lambda s: s.seq_id)
 
     def release(self, seq: Sequence) -> None:
-        """A running sequence finished: its slot keeps its KV for a later prompt that shares a prefix."""
-        self._free.append(self._give_back_slot(seq, cached=seq.tokens[: seq.n_past]))
+        """A sequence finished (or was cancelled while waiting); a running one's slot keeps its KV
+        for a later prompt that shares a prefix."""
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self._free.append(self._give_back_slot(seq, cached=seq.tokens[: seq.n_past]))
         seq.status = Status.FINISHED
         self._kv_full = False
 
@@ -133,10 +137,9 @@ class Scheduler:
         without one worth keeping, the lowest seq_id. With a per-sequence KV cache llama.cpp puts
         only consecutive seq_ids in one ubatch, so dense low ids keep a step to one graph."""
         best, n_best = min(self._free, key=lambda slot: slot.seq_id), 0
-        worth_keeping = min(MIN_SHARED_PREFIX, len(seq.tokens))  # a whole short prompt counts
         for slot in self._free if self.share_prefixes else ():
             n = common_prefix(slot.cached, seq.tokens)
-            if n >= worth_keeping and n > n_best:
+            if n >= _worth_sharing(seq) and n > n_best:
                 best, n_best = slot, n
         self._free.remove(best)
         self._slots[best.seq_id] = best
@@ -162,8 +165,13 @@ class Scheduler:
             n = common_prefix(other.tokens, seq.tokens)
             if n == len(seq.tokens) and len(other.tokens) > n:
                 n -= 1  # it must sample from the leader's logits, which exist only at its newest token
-            if n > n_best and n > other.n_past and n >= min(MIN_SHARED_PREFIX, len(seq.tokens)):
+            if n > n_best and n > other.n_past and n >= _worth_sharing(seq):
                 best, n_best = other, n
         if best is not None:
             seq.leader, seq.n_shared = best, n_best
             best.followers.append(seq)
+
+
+def _worth_sharing(seq: Sequence) -> int:
+    """The shortest common prefix worth reusing for seq: MIN_SHARED_PREFIX, or all of a shorter prompt."""
+    return min(MIN_SHARED_PREFIX, len(seq.tokens))

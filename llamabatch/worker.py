@@ -59,7 +59,7 @@ class EngineWorker:
         self.load_error: BaseException | None = None
         self.ready = threading.Event()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._owners: dict[int, Request] = {}  # sequence uid -> its request
+        self._owners: dict[int, tuple[Request, Sequence]] = {}  # sequence uid -> its request, and itself
         self._last_token_at: dict[int, float] = {}
         self._pending = 0  # sequences submitted but not yet taken by the worker thread
         self._pending_lock = threading.Lock()  # both threads update it
@@ -136,7 +136,7 @@ class EngineWorker:
         request.sequences = sequences
         for seq in sequences:
             if seq.finish_reason is None:
-                self._owners[seq.uid] = request
+                self._owners[seq.uid] = (request, seq)
         request.loop.call_soon_threadsafe(_resolve, request.submitted, None)
 
     def _cancel(self, request: Request) -> None:
@@ -156,10 +156,10 @@ class EngineWorker:
             self._deliver(event, now)
 
     def _deliver(self, event: Event, now: float) -> None:
-        request = self._owners.get(event.uid)
-        if request is None:
+        owner = self._owners.get(event.uid)
+        if owner is None:
             return
-        seq = next(s for s in request.sequences if s.uid == event.uid)
+        request, seq = owner
         if event.token is not None:
             last = self._last_token_at.get(event.uid)
             self.observer.on_token(seq, None if last is None else now - last)
