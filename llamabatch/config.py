@@ -67,6 +67,8 @@ class EngineConfig:
             yield f"--parallel {self.n_parallel} is more than --ctx {self.n_ctx} KV cells"
         if self.n_batch < self.n_parallel:
             yield f"n_batch ({self.n_batch}) must be at least --parallel ({self.n_parallel}): each sequence adds a token per step"
+        if self.deterministic and self.n_batch < 2:
+            yield "--deterministic needs n_batch >= 2: a lone sequence may decode beside a filler token"
         if self.deterministic and self.kv_unified:
             yield "--deterministic needs a per-sequence KV cache: drop --kv-unified"
         if self.deterministic and self.share_prefixes:

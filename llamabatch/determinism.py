@@ -1,18 +1,20 @@
 """`llamabatch verify-determinism`: is each prompt's output the same alone and in any batch?
 
 Every prompt is generated alone (one slot), then all together at each --parallel, half of
-them joining a few steps after the others (continuous batching). Token ids are compared.
+them joining a few steps after the others (continuous batching). Token ids are compared, and
+so are the sampled tokens' log-probabilities, bit for bit: a path that changes the logits'
+rounding without flipping a token yet shows there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .engine import BatchEngine
 from .errors import PromptError
 from .sampling import SamplingParams
-from .sequence import common_prefix
+from .sequence import Sequence, common_prefix
 
 # Prompts of about 10 to 400 tokens (Gemma's tokenizer), in two styles.
 _TEXT = (
@@ -34,27 +36,36 @@ class Check:
     parallel: int
     identical: bool
     first_difference: int | None  # position in the generated tokens, when they differ
+    logprobs_identical: bool  # the sampled tokens' log-probabilities, bit for bit
 
 
 def verify(
     prompts: list[str], parallels: list[int], params: SamplingParams, *, deterministic: bool = True,
     ctx_per_seq: int = 1024, **engine,
 ) -> list[Check]:
-    """Compare each prompt's tokens alone against its tokens in batches of each size; every
+    """Compare each prompt's output alone against its output in batches of each size; every
     engine gives a sequence the same ctx_per_seq cells."""
+    params = replace(params, logprobs=0)
     with BatchEngine(n_parallel=1, n_ctx=ctx_per_seq, deterministic=deterministic, **engine) as solo:
         lengths = [len(solo.tokenize_prompt(p)) for p in prompts]
-        alone = [solo.generate([p], params)[0] for p in prompts]
-    failed = [r for r in alone if r.error]
-    if failed:
-        raise PromptError(f"prompt {failed[0].index}: {failed[0].error}")
+        alone = [_outputs(solo.submit([p], params), solo)[0] for p in prompts]
     checks = []
     for parallel in parallels:
         with BatchEngine(n_parallel=parallel, n_ctx=parallel * ctx_per_seq, deterministic=deterministic, **engine) as batch:
-            together = _staggered(batch, prompts, params)
-        for i, (a, b) in enumerate(zip((r.token_ids for r in alone), together)):
-            checks.append(Check(i, lengths[i], parallel, a == b, _first_difference(a, b)))
+            together = _outputs(_staggered(batch, prompts, params), batch)
+        for i, ((a, a_logprobs), (b, b_logprobs)) in enumerate(zip(alone, together)):
+            checks.append(Check(i, lengths[i], parallel, a == b, _first_difference(a, b), a_logprobs == b_logprobs))
     return checks
+
+
+def _outputs(sequences: list[Sequence], engine: BatchEngine) -> list[tuple[list[int], list[float]]]:
+    """Run the engine dry; each sequence's generated tokens and their log-probabilities."""
+    while engine.has_work:
+        engine.step()
+    for seq in sequences:
+        if seq.error:
+            raise PromptError(f"prompt {seq.prompt[:40]!r}: {seq.error}")
+    return [(seq.tokens[seq.n_prompt :], [lp.logprob for lp in seq.logprobs]) for seq in sequences]
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -63,16 +74,13 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return None if n == len(a) == len(b) else n
 
 
-def _staggered(engine: BatchEngine, prompts: list[str], params: SamplingParams) -> list[list[int]]:
+def _staggered(engine: BatchEngine, prompts: list[str], params: SamplingParams) -> list[Sequence]:
     """Half the prompts start together; the rest join after a few steps, mid-run."""
     half = len(prompts) // 2
     sequences = engine.submit(prompts[:half], params)
     for _ in range(5):
         engine.step()
-    sequences += [engine.add(p, params, index=half + i)[0] for i, p in enumerate(prompts[half:])]
-    while engine.has_work:
-        engine.step()
-    return [seq.tokens[seq.n_prompt :] for seq in sequences]
+    return sequences + engine.submit(prompts[half:], params)
 
 
 def read_prompts(path: Path | None) -> list[str]:

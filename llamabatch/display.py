@@ -221,6 +221,8 @@ def determinism_table(checks: list, deterministic: bool) -> None:
             label = f"{low}-{high}" if high < 10**9 else f"> {low - 1}"
             table.add_row(label, *(f"{sum(c.identical for c in r)}/{len(r)}" for r in rows))
     out.print(table)
+    same = sum(c.logprobs_identical for c in checks)
+    out.print(f"sampled tokens' log-probabilities bit-identical: {same}/{len(checks)}")
     for c in checks:
         if not c.identical:
             out.print(f"prompt {c.index} ({c.prompt_tokens} tokens), --parallel {c.parallel}: differs from token {c.first_difference}")

@@ -13,7 +13,7 @@ from .errors import DecodeError, PromptError
 from .native import Batch, Context, Model, init_backend, use_row_invariant_matmul
 from .results import Event, Result, RunStats
 from .sampling import SamplingParams, build_sampler, token_logprob
-from .scheduler import Scheduler
+from .scheduler import LONE_ROW_MAX_CELLS, Filler, Scheduler
 from .sequence import Sequence, Status
 
 KV_FULL = 1  # llama_decode's "no free KV slot"
@@ -57,18 +57,22 @@ class BatchEngine:
         if cfg.deterministic:  # kernels that do not change with the number of rows; see README
             use_row_invariant_matmul()
         self.model = Model(path, cfg.gpu_layers, repack=not cfg.deterministic)
+        # Deterministic mode needs a second KV stream even for one slot: fillers decode there.
+        n_streams = max(cfg.n_parallel, 2) if cfg.deterministic else cfg.n_parallel
         try:
             self.ctx = Context(
-                self.model, n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
-                n_seq_max=cfg.n_parallel, n_threads=cfg.n_threads, kv_unified=cfg.kv_unified,
-                flash_attn=False if cfg.deterministic else None,
+                self.model, n_ctx=cfg.n_ctx * n_streams // cfg.n_parallel, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
+                n_seq_max=n_streams, n_threads=cfg.n_threads, kv_unified=cfg.kv_unified,
             )
         except Exception:
             self.model.close()
             raise
         self.vocab = self.model.vocab
         self.batch = Batch(self.ctx.n_batch)
-        self.scheduler = Scheduler(cfg.n_parallel, self.ctx.n_batch, cfg.share_prefixes, isolate_prefill=cfg.deterministic)
+        self.scheduler = Scheduler(
+            cfg.n_parallel, self.ctx.n_batch, cfg.share_prefixes, batch_invariant=cfg.deterministic, n_streams=n_streams,
+            lone_row_max_cells=0 if self.model.float_weights else LONE_ROW_MAX_CELLS,
+        )
         self.stats = RunStats()
         self._next_index = 0
         self._uids = itertools.count()
@@ -152,7 +156,8 @@ class BatchEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        self._fill_batch(scheduled)
+        fillers = self.scheduler.fillers(scheduled)
+        self._fill_batch(scheduled, fillers)
         self.stats.decode_calls += 1
         self.stats.sequence_slots += len(scheduled)
         try:
@@ -161,6 +166,9 @@ class BatchEngine:
             if e.code != KV_FULL:
                 raise
             return self._recover_kv_full(scheduled)
+        finally:
+            for filler in fillers:
+                self.ctx.remove_sequence(filler.seq_id, from_pos=filler.pos)
         events = [event for seq in scheduled for event in self._advance(seq)]
         self._record_step_time(started)
         return events
@@ -212,12 +220,16 @@ class BatchEngine:
         self.ctx.remove_sequence(seq.seq_id, from_pos=seq.n_past)
         self.stats.prompt_tokens_reused += min(seq.n_past, seq.n_prompt)
 
-    def _fill_batch(self, scheduled: list[Sequence]) -> None:
+    def _fill_batch(self, scheduled: list[Sequence], fillers: list[Filler]) -> None:
+        """Rows in seq_id order (llama.cpp groups consecutive seq_ids into one micro-batch)."""
         self.batch.clear()
-        for seq in scheduled:
-            samples = seq.n_chunk == seq.n_pending  # the chunk ends at its newest token
-            row = self.batch.add(seq.chunk(), seq.n_past, seq.seq_id, logits_last=samples)
-            seq.i_batch = row if samples else -1
+        for row in sorted([*scheduled, *fillers], key=lambda row: row.seq_id):
+            if isinstance(row, Filler):  # with logits: the output layer's row count must not change either
+                self.batch.add([0], row.pos, row.seq_id, logits_last=True)
+                continue
+            samples = row.n_chunk == row.n_pending  # the chunk ends at its newest token
+            last = self.batch.add(row.chunk(), row.n_past, row.seq_id, logits_last=samples)
+            row.i_batch = last if samples else -1
 
     def _advance(self, seq: Sequence) -> Iterator[Event]:
         """The decode took the chunk into the KV cache: hand the prefix to followers that wait for

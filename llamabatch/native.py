@@ -198,6 +198,12 @@ class Model(_Owner):
         return buf.value.decode() if n >= 0 else None
 
     @property
+    def float_weights(self) -> bool:
+        """Weights stored as F32, F16 or BF16 (or a file that does not say): llamafile's sgemm
+        multiplies them for two rows or more, ggml's vec_dot for one, rounding differently."""
+        return self.meta("general.file_type") in (None, "0", "1", "32")
+
+    @property
     def n_ctx_train(self) -> int:
         return llama_cpp.llama_model_n_ctx_train(self.handle)
 
@@ -229,7 +235,7 @@ class Context(_Owner):
 
     def __init__(
         self, model: Model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
-        n_threads: int, kv_unified: bool, flash_attn: bool | None = None,
+        n_threads: int, kv_unified: bool,
     ) -> None:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
@@ -239,7 +245,6 @@ class Context(_Owner):
         params.n_threads = params.n_threads_batch = n_threads
         params.kv_unified = kv_unified
         params.swa_full = False  # as llama.cpp's own tools: sliding-window layers keep only their window
-        params.flash_attn_type = {None: -1, False: 0, True: 1}[flash_attn]  # None: llama.cpp decides
         params.no_perf = True
         with _log.capture() as log:
             handle = llama_cpp.llama_init_from_model(model.handle, params)

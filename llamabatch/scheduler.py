@@ -12,6 +12,21 @@ from .sequence import Sequence, Status, common_prefix
 # the shared length, or giving up another slot's cache, costs more than a few tokens of prefill.
 MIN_SHARED_PREFIX = 8
 
+# ggml-cpu's flash attention takes a split-KV path (different summation order) for a micro-batch
+# of one query row in one KV stream once the stream's view (padded to 256 cells) reaches 512
+# cells, i.e. once a sequence holds more than 256. In deterministic mode such a row gets a filler.
+# (With float weights every lone row does: llamafile's sgemm serves only 2 rows or more.)
+LONE_ROW_MAX_CELLS = 256
+
+
+@dataclass(frozen=True)
+class Filler:
+    """A throwaway token decoded in another KV stream beside a sequence that would otherwise be
+    alone in its micro-batch; its cell is removed right after the decode."""
+
+    seq_id: int
+    pos: int
+
 
 @dataclass
 class Slot:
@@ -34,14 +49,20 @@ class Scheduler:
     prefix follows it: it waits, and gets the prefix copied once the leader has it.
     """
 
-    def __init__(self, n_slots: int, n_batch: int, share_prefixes: bool = True, isolate_prefill: bool = False) -> None:
+    def __init__(
+        self, n_slots: int, n_batch: int, share_prefixes: bool = True, batch_invariant: bool = False, n_streams: int = 0,
+        lone_row_max_cells: int = LONE_ROW_MAX_CELLS,
+    ) -> None:
         if n_batch < n_slots:
             raise ValueError(f"n_batch ({n_batch}) must be at least the number of slots ({n_slots})")
         self.n_batch = n_batch
         self.share_prefixes = share_prefixes
         # Deterministic mode: a prompt is prefilled alone, exactly as it would be with no other
-        # sequence, and decode steps hold only decodes; the two kinds of step alternate.
-        self.isolate_prefill = isolate_prefill
+        # sequence, and decode steps hold only decodes; the two kinds of step alternate. A
+        # decoding sequence never sits alone in a micro-batch once it holds many cells (fillers).
+        self.batch_invariant = batch_invariant
+        self.n_streams = max(n_streams, n_slots)  # KV streams (seq_ids) the context has
+        self.lone_row_max_cells = lone_row_max_cells
         self._last_was_prefill = False
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -78,7 +99,7 @@ class Scheduler:
         ready = [s for s in self.running if s.leader is None]
         generating = [s for s in ready if not s.is_prefilling]
         prefilling = [s for s in ready if s.is_prefilling]
-        if self.isolate_prefill:
+        if self.batch_invariant:
             return self._isolated(generating, prefilling)
         budget = self.n_batch - len(generating)
         for seq in generating:
@@ -103,6 +124,32 @@ class Scheduler:
         for seq in generating:
             seq.n_chunk = 1
         return sorted(generating, key=lambda s: s.seq_id)
+
+    def fillers(self, rows: list[Sequence]) -> list[Filler]:
+        """Deterministic mode: a filler beside each one-token row that holds more than
+        lone_row_max_cells cells and has no neighbouring seq_id in the batch. llama.cpp groups
+        only consecutive seq_ids into one micro-batch, so the filler takes a neighbouring id
+        that is not decoding, at that stream's next position."""
+        if not self.batch_invariant:
+            return []
+        taken = {seq.seq_id for seq in rows}
+        fillers = []
+        for seq in rows:
+            k = seq.seq_id
+            if seq.n_chunk != 1 or seq.n_past < self.lone_row_max_cells or k - 1 in taken or k + 1 in taken:
+                continue
+            j = k + 1 if k + 1 < self.n_streams else k - 1
+            taken.add(j)
+            fillers.append(Filler(j, self._next_position(j)))
+        return fillers
+
+    def _next_position(self, seq_id: int) -> int:
+        """Where a stream's next token goes: after its running sequence's or free slot's KV."""
+        slot = self._slots.get(seq_id)
+        if slot is not None:
+            return next(seq.n_past for seq in self.running if seq.seq_id == seq_id)
+        free = [slot for slot in self._free if slot.seq_id == seq_id]
+        return len(free[0].cached) if free else 0  # a stream beyond the slots is always empty
 
     def release(self, seq: Sequence) -> None:
         """A sequence finished (or was cancelled while waiting); a running one's slot keeps its KV

@@ -12,10 +12,11 @@ import llamabatch.native as native
 from llamabatch import SamplingParams
 from llamabatch.determinism import verify
 from llamabatch.errors import ConfigError
-from llamabatch.scheduler import Scheduler
+from llamabatch.scheduler import Filler, Scheduler
 from llamabatch.sequence import Sequence
 
 PROMPTS = ["hi", "the capital of France is", "word " * 60, "Once upon a time " * 25, "a", "def f(x): return x * 2 " * 8]
+# (the tiny model's byte vocabulary makes "word " * 60 a 302-token prompt)
 
 
 @pytest.mark.parametrize("params", [
@@ -25,6 +26,9 @@ PROMPTS = ["hi", "the capital of France is", "word " * 60, "Once upon a time " *
 def test_every_prompt_alone_equals_it_in_any_batch(tiny_model, params):
     checks = verify(PROMPTS, [3, 6], params, model=tiny_model, n_threads=2, ctx_per_seq=512)
     assert len(checks) == 2 * len(PROMPTS) and all(c.identical for c in checks), [c for c in checks if not c.identical]
+    # bit for bit: the tiny model's F32 weights go through llamafile's sgemm from 2 rows and
+    # ggml's vec_dot for 1, so this fails unless every lone decode row gets a filler
+    assert all(c.logprobs_identical for c in checks), [c for c in checks if not c.logprobs_identical]
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -39,7 +43,7 @@ def test_samples_equal_solo_runs_seeded_seed_plus_k(make_engine, n):
 
 
 def test_prefill_runs_alone_and_alternates_with_decode_steps():
-    sched = Scheduler(n_slots=4, n_batch=64, share_prefixes=False, isolate_prefill=True)
+    sched = Scheduler(n_slots=4, n_batch=64, share_prefixes=False, batch_invariant=True)
     seqs = [Sequence(i, "p", SamplingParams(), list(range(100 * i, 100 * i + 5 + i)), 5 + i) for i in range(3)]
     for s in seqs:
         sched.add(s)
@@ -55,6 +59,46 @@ def test_prefill_runs_alone_and_alternates_with_decode_steps():
                 s.tokens.append(7)
     # a whole prompt alone, then a decode step, then the next prompt alone, ...
     assert kinds == [[(0, 5)], [(0, 1)], [(1, 6)], [(0, 1), (1, 1)], [(2, 7)]]
+
+
+def decoding(n_slots: int, n_past: dict[int, int], **settings) -> tuple[Scheduler, list[Sequence]]:
+    """A deterministic scheduler with every slot taken; the sequences in n_past (seq_id -> cells
+    held) decode one token each this step, the others wait for their prefill."""
+    sched = Scheduler(n_slots, n_batch=64, share_prefixes=False, batch_invariant=True, **settings)
+    for i in range(n_slots):
+        sched.add(Sequence(i, "p", SamplingParams(), [1, 2, 3], 3))
+    for s in sched.admit():
+        s.n_past, s.n_chunk = n_past.get(s.seq_id, 0), 1
+    return sched, sorted((s for s in sched.running if s.seq_id in n_past), key=lambda s: s.seq_id)
+
+
+def test_a_lone_decode_row_past_256_cells_gets_a_filler_in_a_neighbouring_stream():
+    sched, rows = decoding(5, {0: 300, 2: 300, 3: 400})
+    # llama.cpp groups consecutive seq_ids: 0 would be alone in its micro-batch, 2 and 3 are not
+    assert sched.fillers(rows) == [Filler(1, 0)]
+    sched, rows = decoding(5, {4: 256})
+    assert sched.fillers(rows) == [Filler(3, 0)]  # the last id borrows the one below
+    sched, rows = decoding(5, {1: 255, 3: 100})
+    assert sched.fillers(rows) == []  # short: flash attention's split-KV path is not taken
+
+
+def test_the_filler_goes_at_the_neighbours_next_position():
+    sched, rows = decoding(3, {0: 300})
+    sched.running[1].n_past = 40  # seq 1 is part way through its prompt
+    assert sched.fillers(rows) == [Filler(1, 40)]
+
+
+def test_one_slot_borrows_a_spare_stream_and_float_weights_pad_every_lone_row():
+    sched, rows = decoding(1, {0: 5}, n_streams=2, lone_row_max_cells=0)
+    assert sched.fillers(rows) == [Filler(1, 0)]
+
+
+def test_no_fillers_outside_deterministic_mode():
+    sched = Scheduler(n_slots=2, n_batch=64)
+    sched.add(Sequence(0, "p", SamplingParams(), [1, 2, 3], 3))
+    (seq,) = sched.admit()
+    seq.n_past, seq.n_chunk = 300, 1
+    assert sched.fillers([seq]) == []
 
 
 def test_deterministic_mode_refuses_settings_that_break_it(make_engine):
@@ -84,3 +128,6 @@ def test_default_model_prompts_past_512_kv_cells_in_a_fresh_process(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count('"identical": true') == 8
+    # without fillers the long prompt's solo run takes flash attention's split-KV path: same
+    # tokens here, different log-probabilities
+    assert done.stdout.count('"logprobs_identical": true') == 8
