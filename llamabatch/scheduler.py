@@ -58,12 +58,12 @@ class Scheduler:
         self.n_batch = n_batch
         self.share_prefixes = share_prefixes
         # Deterministic mode: a prompt is prefilled alone, exactly as it would be with no other
-        # sequence, and decode steps hold only decodes; the two kinds of step alternate. A
-        # decoding sequence never sits alone in a micro-batch once it holds many cells (fillers).
+        # sequence, and decode steps hold only decodes. A decoding sequence never sits alone in
+        # a micro-batch once it holds many cells (fillers).
         self.batch_invariant = batch_invariant
         self.n_streams = max(n_streams, n_slots)  # KV streams (seq_ids) the context has
         self.lone_row_max_cells = lone_row_max_cells
-        self._last_was_prefill = False
+        self._prefilled_since_decode = 0  # prompt tokens; deterministic mode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free: list[Slot] = [Slot(i) for i in range(n_slots)]
@@ -115,12 +115,14 @@ class Scheduler:
         return sorted(scheduled, key=lambda s: s.seq_id)  # rows in seq_id order: see _take_slot
 
     def _isolated(self, generating: list[Sequence], prefilling: list[Sequence]) -> list[Sequence]:
-        """One prompt's prefill alone (the whole prompt, as a solo run does), or every decode."""
-        self._last_was_prefill = bool(prefilling) and not (self._last_was_prefill and generating)
-        if self._last_was_prefill:
+        """One prompt's prefill alone, in the chunks a solo run uses; or every decode. As in a
+        mixed step, decoders wait for at most n_batch prompt tokens between their steps."""
+        if prefilling and (not generating or self._prefilled_since_decode < self.n_batch):
             seq = prefilling[0]
             seq.n_chunk = min(seq.n_pending, self.n_batch)
+            self._prefilled_since_decode += seq.n_chunk
             return [seq]
+        self._prefilled_since_decode = 0
         for seq in generating:
             seq.n_chunk = 1
         return sorted(generating, key=lambda s: s.seq_id)

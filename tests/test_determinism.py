@@ -42,8 +42,8 @@ def test_samples_equal_solo_runs_seeded_seed_plus_k(make_engine, n):
         assert alone.token_ids == r.token_ids
 
 
-def test_prefill_runs_alone_and_alternates_with_decode_steps():
-    sched = Scheduler(n_slots=4, n_batch=64, share_prefixes=False, batch_invariant=True)
+def test_prefill_runs_alone_and_decoders_wait_for_at_most_n_batch_prompt_tokens():
+    sched = Scheduler(n_slots=4, n_batch=10, share_prefixes=False, batch_invariant=True)
     seqs = [Sequence(i, "p", SamplingParams(), list(range(100 * i, 100 * i + 5 + i)), 5 + i) for i in range(3)]
     for s in seqs:
         sched.add(s)
@@ -57,8 +57,8 @@ def test_prefill_runs_alone_and_alternates_with_decode_steps():
             s.n_past += s.n_chunk
             if done:
                 s.tokens.append(7)
-    # a whole prompt alone, then a decode step, then the next prompt alone, ...
-    assert kinds == [[(0, 5)], [(0, 1)], [(1, 6)], [(0, 1), (1, 1)], [(2, 7)]]
+    # whole prompts alone until 10 prompt tokens went by, then a decode step, and so on
+    assert kinds == [[(0, 5)], [(1, 6)], [(0, 1), (1, 1)], [(2, 7)], [(0, 1), (1, 1), (2, 1)]]
 
 
 def decoding(n_slots: int, n_past: dict[int, int], **settings) -> tuple[Scheduler, list[Sequence]]:
