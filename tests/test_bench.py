@@ -34,6 +34,15 @@ def test_a_measurement_follows_llama_batched_bench_definitions(make_engine, deco
     assert 0 < point.ttft_p50_s <= point.ttft_p99_s and 0 < point.tpot_p50_s <= point.tpot_p99_s
 
 
+def test_deterministic_measurement_prefills_each_prompt_alone_then_decodes_together(make_engine, decode_calls):
+    settings = SweepSettings(batch_sizes=(4,), prompt_tokens=10, gen_tokens=6, deterministic=True)
+    engine = make_engine(n_parallel=4, n_ctx=settings.context, deterministic=True)
+    point = measure(engine, settings, 4)
+    # B * PP fits in n_batch: four prefill steps back to back, then TG steps of B tokens each
+    assert len(decode_calls) == 4 + 6
+    assert point.s_tg == pytest.approx(4 * 6 / point.t_tg)
+
+
 def test_sweep_json_csv_and_plot(tiny_model, tmp_path):
     pytest.importorskip("matplotlib")
     csv, png = tmp_path / "sweep.csv", tmp_path / "sweep.png"

@@ -37,6 +37,17 @@ def test_run_json_has_one_line_per_prompt_then_a_summary(tiny_model):
     assert summary["wall_s"] > 0 and summary["tokens_per_s"] > 0
 
 
+def test_deterministic_run_gives_the_same_completions_at_any_parallel(tiny_model):
+    prompts = ["-p", "hello", "-p", "word " * 60, "-p", "a", "-p", "the capital of France is"]
+    texts = []
+    for parallel in (1, 3):
+        result = invoke("run", "-m", tiny_model, *prompts, "--max-tokens", 12, "--temperature", 0.8, "--seed", 3,
+                        "--ignore-eos", "--parallel", parallel, "--ctx", 512 * parallel, "--deterministic", "--json")
+        assert result.exit_code == 0, result.output
+        texts.append([c["text"] for c in json_lines(result.stdout)[:-1]])
+    assert texts[0] == texts[1]
+
+
 def test_prompts_file_plain_lines(tiny_model, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt\nthird\n")

@@ -28,8 +28,8 @@ def serve(tiny_model):
     """Start servers (real uvicorn, real engine thread) on free ports; all stopped afterwards."""
     servers = []
 
-    def start(n_parallel: int = 4, n_ctx: int | None = None, **settings) -> str:
-        engine = dict(model=tiny_model, n_parallel=n_parallel, n_ctx=n_ctx or 512 * n_parallel, n_threads=2)
+    def start(n_parallel: int = 4, n_ctx: int | None = None, engine_extra: dict | None = None, **settings) -> str:
+        engine = dict(model=tiny_model, n_parallel=n_parallel, n_ctx=n_ctx or 512 * n_parallel, n_threads=2, **(engine_extra or {}))
         app = create_app(ServerSettings(engine=engine, **settings))
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -196,6 +196,22 @@ def test_streams_follow_the_sse_format(base):
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
+
+
+def test_a_deterministic_server_answers_the_same_alone_and_under_load(serve):
+    client = openai.OpenAI(base_url=f"{serve(n_parallel=4, engine_extra={'deterministic': True})}/v1", api_key="-", max_retries=0)
+
+    def ask(prompt: str):
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, logprobs=1,
+                                         extra_body={"ignore_eos": True}).choices[0]
+
+    alone = ask("word " * 60)
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(ask, p) for p in ["hello", "a b c", "Once upon a time"]]
+        together = pool.submit(ask, "word " * 60).result()
+        [f.result() for f in others]
+    assert together.text == alone.text
+    assert together.logprobs.token_logprobs == alone.logprobs.token_logprobs  # bit for bit
 
 
 def test_logprobs_of_each_token_with_alternatives(client):
