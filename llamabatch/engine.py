@@ -69,9 +69,15 @@ class BatchEngine:
             raise
         self.vocab = self.model.vocab
         self.batch = Batch(self.ctx.n_batch)
+        # Float weights go through llamafile's sgemm from 2 rows and ggml's vec_dot for 1, which
+        # round differently: every lone row then gets a filler, one that asks for logits too, so
+        # the output layer never multiplies a single row either. (Quantized weights measured the
+        # same on both paths; there a filler only steers flash attention.)
+        float_weights = self.model.float_weights
+        self._filler_logits = float_weights
         self.scheduler = Scheduler(
             cfg.n_parallel, self.ctx.n_batch, cfg.share_prefixes, batch_invariant=cfg.deterministic, n_streams=n_streams,
-            lone_row_max_cells=0 if self.model.float_weights else LONE_ROW_MAX_CELLS,
+            lone_row_max_cells=0 if float_weights else LONE_ROW_MAX_CELLS,
         )
         self.stats = RunStats()
         self._next_index = 0
@@ -224,8 +230,8 @@ class BatchEngine:
         """Rows in seq_id order (llama.cpp groups consecutive seq_ids into one micro-batch)."""
         self.batch.clear()
         for row in sorted([*scheduled, *fillers], key=lambda row: row.seq_id):
-            if isinstance(row, Filler):  # with logits: the output layer's row count must not change either
-                self.batch.add([0], row.pos, row.seq_id, logits_last=True)
+            if isinstance(row, Filler):
+                self.batch.add([0], row.pos, row.seq_id, logits_last=self._filler_logits)
                 continue
             samples = row.n_chunk == row.n_pending  # the chunk ends at its newest token
             last = self.batch.add(row.chunk(), row.n_past, row.seq_id, logits_last=samples)
