@@ -277,10 +277,13 @@ class BatchEngine:
         return self._event(seq, token, text)
 
     def _finish(self, seq: Sequence, token: int | None, text: str, reason: str, error: str | None = None) -> Event:
-        """The sequence is done; its KV stays in its slot as a prefix cache for later prompts."""
+        """The sequence is done; its KV stays in its slot as a prefix cache for later prompts
+        (when prefixes are shared; else it is freed, so a deterministic filler finds room there)."""
         text += seq.text.finish()
         seq.finish_reason, seq.error = reason, error
         seq.t_finished = time.perf_counter()
+        if seq.status is Status.RUNNING and not self.config.share_prefixes:
+            self.ctx.remove_sequence(seq.seq_id)
         self.scheduler.release(seq)
         seq.sampler.close()
         return self._event(seq, token, text, reason, error)

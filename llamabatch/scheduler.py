@@ -159,7 +159,8 @@ class Scheduler:
         if seq.status is Status.WAITING:
             self.waiting.remove(seq)
         else:
-            self._free.append(self._give_back_slot(seq, cached=seq.tokens[: seq.n_past]))
+            cached = seq.tokens[: seq.n_past] if self.share_prefixes else []  # the engine frees unshared KV
+            self._free.append(self._give_back_slot(seq, cached=cached))
         seq.status = Status.FINISHED
         self._kv_full = False
 

@@ -131,3 +131,16 @@ def test_default_model_prompts_past_512_kv_cells_in_a_fresh_process(tmp_path):
     # without fillers the long prompt's solo run takes flash attention's split-KV path: same
     # tokens here, different log-probabilities
     assert done.stdout.count('"logprobs_identical": true') == 8
+
+
+def test_a_filler_never_lands_in_a_full_stream(make_engine):
+    """A finished sequence that filled its stream leaves no KV behind (nothing reuses it in
+    this mode), so a filler there does not run the cache full."""
+    engine = make_engine(n_parallel=2, n_ctx=512, deterministic=True)  # 256 cells per sequence
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    full = engine.add("word " * 48, params)[0]  # 242 prompt tokens: it ends when its 256 cells are used
+    later = engine.add("hello", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    while engine.has_work:
+        engine.step()
+    assert (full.finish_reason, full.error) == ("length", None)
+    assert (later.finish_reason, later.error, later.n_generated) == ("length", None, 40)
