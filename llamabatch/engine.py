@@ -229,7 +229,8 @@ class BatchEngine:
     def _fill_batch(self, scheduled: list[Sequence], fillers: list[Filler]) -> None:
         """Rows in seq_id order (llama.cpp groups consecutive seq_ids into one micro-batch)."""
         self.batch.clear()
-        for row in sorted([*scheduled, *fillers], key=lambda row: row.seq_id):
+        rows = sorted([*scheduled, *fillers], key=lambda row: row.seq_id) if fillers else scheduled  # already in order
+        for row in rows:
             if isinstance(row, Filler):
                 self.batch.add([0], row.pos, row.seq_id, logits_last=self._filler_logits)
                 continue

@@ -128,8 +128,8 @@ class Scheduler:
         return sorted(generating, key=lambda s: s.seq_id)
 
     def fillers(self, rows: list[Sequence]) -> list[Filler]:
-        """Deterministic mode: a filler beside each one-token row that holds more than
-        lone_row_max_cells cells and has no neighbouring seq_id in the batch. llama.cpp groups
+        """Deterministic mode: a filler beside each one-token row whose sequence holds more than
+        lone_row_max_cells cells with it and has no neighbouring seq_id in the batch. llama.cpp groups
         only consecutive seq_ids into one micro-batch, so the filler takes a neighbouring id
         that is not decoding, at that stream's next position."""
         if not self.batch_invariant:
@@ -147,11 +147,13 @@ class Scheduler:
 
     def _next_position(self, seq_id: int) -> int:
         """Where a stream's next token goes: after its running sequence's or free slot's KV."""
-        slot = self._slots.get(seq_id)
-        if slot is not None:
-            return next(seq.n_past for seq in self.running if seq.seq_id == seq_id)
-        free = [slot for slot in self._free if slot.seq_id == seq_id]
-        return len(free[0].cached) if free else 0  # a stream beyond the slots is always empty
+        for seq in self.running:
+            if seq.seq_id == seq_id:
+                return seq.n_past
+        for slot in self._free:
+            if slot.seq_id == seq_id:
+                return len(slot.cached)
+        return 0  # a stream beyond the slots is always empty
 
     def release(self, seq: Sequence) -> None:
         """A sequence finished (or was cancelled while waiting); a running one's slot keeps its KV
