@@ -9,16 +9,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import bench, display
+from . import display
 from .catalog import Catalog, ModelSpec
-from .engine import BatchEngine
+from .engine import BatchEngine, Result, SamplingParams, Sequence
+from .engine.memory import parse_size, plan_for
+from .engine.native import Model, init_backend
 from .errors import LlamabatchError
-from .memory import parse_size, plan_for
-from .prompts import gather_prompts
-from .native import Model, init_backend
-from .results import Result
-from .sampling import SamplingParams
-from .sequence import Sequence
+from .jobs.prompts import gather_prompts
+from .measure import sweep as sweep_bench
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -236,15 +234,15 @@ def sweep(
     baselines = set(baseline or ())
     if baselines - {"sequential", "native"}:
         raise LlamabatchError(f"unknown baseline {sorted(baselines - {'sequential', 'native'})}: use sequential or native")
-    settings = bench.SweepSettings(
+    settings = sweep_bench.SweepSettings(
         batch_sizes=_int_list(batch_sizes, "--batch-sizes"), prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
         shared_prompt=shared_prompt, repeat=repeat, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
         n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, deterministic=bool(deterministic),
     )
     if "native" in baselines:
-        bench.native_tool()  # fail now, not after minutes of measuring
+        sweep_bench.native_tool()  # fail now, not after minutes of measuring
     if plot is not None:
-        from . import plot as plotting  # matplotlib is an extra: say so before measuring
+        from .measure import plot as plotting  # matplotlib is an extra: say so before measuring
     points, model_name = _sweep(model, config, settings, baselines, json_out=json_out, verbose=verbose)
     if csv is not None:
         display.write_csv(csv, [p.to_dict() for p in points])
@@ -253,8 +251,8 @@ def sweep(
 
 
 def _sweep(
-    model, config, settings: bench.SweepSettings, baselines: set[str], *, json_out: bool, verbose: bool
-) -> tuple[list[bench.SweepPoint], str]:
+    model, config, settings: sweep_bench.SweepSettings, baselines: set[str], *, json_out: bool, verbose: bool
+) -> tuple[list[sweep_bench.SweepPoint], str]:
     """Measure every batch size, then the baselines, showing the table as it fills."""
     sizes = settings.batch_sizes
     n_steps = len(sizes) * (2 if "sequential" in baselines else 1)
@@ -265,12 +263,12 @@ def _sweep(
         deterministic=settings.deterministic, verbose=verbose,
     ) as engine, display.SweepView(engine.model_name, settings, engine.config.n_threads, n_steps, live=not json_out) as view:
         points = []
-        for point in bench.sweep(engine, settings, native="native" in baselines):
+        for point in sweep_bench.sweep(engine, settings, native="native" in baselines):
             points.append(point)
             view.show(points, f"B={point.batch_size}")
         if "sequential" in baselines:
             for point in points:
-                point.add_sequential(*bench.sequential_baseline(engine.model.path, settings, point.batch_size, engine.config.n_threads))
+                point.add_sequential(*sweep_bench.sequential_baseline(engine.model.path, settings, point.batch_size, engine.config.n_threads))
                 view.show(points, f"sequential B={point.batch_size}")
         view.show(points, "all", done=True)
     if json_out:
@@ -301,7 +299,7 @@ def serve(
     """An OpenAI-compatible server: concurrent requests share the running batch."""
     import uvicorn
 
-    from .server import ServerSettings, create_app
+    from .serve.app import ServerSettings, create_app
 
     Catalog.load(config).resolve(model).gguf_path()  # an unknown model or a missing file fails here, not in a thread
     engine = dict(
@@ -328,7 +326,7 @@ def verify_determinism(
     verbose: VerboseOpt = False,
 ) -> None:
     """Run each prompt alone and in batches; print the share whose tokens are identical."""
-    from .determinism import read_prompts, verify
+    from .measure.determinism import read_prompts, verify
 
     if prompts is not None and not prompts.is_file():
         raise LlamabatchError(f"prompts file not found: {prompts}")

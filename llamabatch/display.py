@@ -14,8 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from .results import Event, Result
-from .sequence import Sequence
+from .engine import Event, Result, Sequence
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)

@@ -7,8 +7,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from llamabatch import bench
-from llamabatch.bench import SweepSettings, measure
+from llamabatch.measure import sweep as bench
+from llamabatch.measure.sweep import SweepSettings, measure
 from llamabatch.cli import app
 
 REQUIRED = {"batch_size", "s_pp", "s_tg", "s", "ttft_p50_s", "tpot_p50_s", "kv_bytes", "peak_rss_bytes"}

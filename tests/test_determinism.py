@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-import llamabatch.native as native
+import llamabatch.engine.native as native
 from llamabatch import SamplingParams
-from llamabatch.determinism import verify
-from llamabatch.errors import ConfigError
-from llamabatch.scheduler import Filler, Scheduler
-from llamabatch.sequence import Sequence
+from llamabatch.measure.determinism import verify
+from llamabatch import ConfigError
+from llamabatch.engine.scheduler import Filler, Scheduler
+from llamabatch.engine.sequence import Sequence
 
 PROMPTS = ["hi", "the capital of France is", "word " * 60, "Once upon a time " * 25, "a", "def f(x): return x * 2 " * 8]
 # (the tiny model's byte vocabulary makes "word " * 60 a 302-token prompt)

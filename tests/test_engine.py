@@ -123,7 +123,7 @@ def test_utf8_characters_split_across_tokens_stream_whole(make_engine):
     tokens = engine.vocab.tokenize(text, add_special=False)
     pieces = [engine.vocab.piece(t) for t in tokens]
     assert any(_invalid_utf8(p) for p in pieces)  # the vocabulary really splits characters
-    from llamabatch.text import TextStream
+    from llamabatch.engine.text import TextStream
 
     stream = TextStream()
     deltas = [stream.push(p) for p in pieces] + [stream.finish()]

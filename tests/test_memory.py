@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from llamabatch import BatchEngine
 from llamabatch.cli import app
-from llamabatch.memory import KvShape, parse_size, plan, plan_for
+from llamabatch.engine.memory import KvShape, parse_size, plan, plan_for
 
 CONFIGS = [  # (n_ctx, n_parallel, kv_unified, n_ubatch)
     (2048, 1, False, 512), (4096, 4, False, 512), (8192, 8, False, 256), (3000, 3, False, 512),

@@ -1,8 +1,8 @@
 import pytest
 
 from llamabatch import SamplingError, SamplingParams
-from llamabatch.native import SamplerChain
-from llamabatch.sampling import GreedySampler, build_sampler
+from llamabatch.engine.native import SamplerChain
+from llamabatch.engine.sampling import GreedySampler, build_sampler
 
 
 @pytest.mark.parametrize(

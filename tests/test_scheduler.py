@@ -3,9 +3,9 @@ prefix reuse from a slot's cache and prefix sharing between sequences."""
 
 import pytest
 
-from llamabatch.sampling import SamplingParams
-from llamabatch.scheduler import Scheduler
-from llamabatch.sequence import Sequence, Status
+from llamabatch import SamplingParams
+from llamabatch.engine.scheduler import Scheduler
+from llamabatch.engine.sequence import Sequence, Status
 
 
 def seq(index: int, n_prompt: int, prefix: list[int] = ()) -> Sequence:

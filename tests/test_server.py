@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 
 from llamabatch import BatchEngine, SamplingParams
-from llamabatch.server import ServerSettings, create_app
+from llamabatch.serve.app import ServerSettings, create_app
 
 
 def free_port() -> int:

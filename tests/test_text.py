@@ -1,6 +1,6 @@
 """TextStream: whole characters only, and stop strings cut exactly, however the bytes arrive."""
 
-from llamabatch.text import TextStream
+from llamabatch.engine.text import TextStream
 
 
 def feed(stream: TextStream, pieces: list[bytes]) -> list[str]:

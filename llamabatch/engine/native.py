@@ -17,7 +17,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from .errors import ConfigError, DecodeError, LlamabatchError, ModelError
+from ..errors import ConfigError, DecodeError, LlamabatchError, ModelError
 
 _backend_ready = False
 # ggml reads GGML_CPU_TILED_MM once, at the process's first matmul: deterministic mode must

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 import llama_cpp
 import numpy as np
 
-from .errors import SamplingError
+from ..errors import SamplingError
 from .native import Context, SamplerChain
 from .results import TokenLogprob
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import llama_cpp
 
-from .catalog import ModelSpec
-from .errors import ConfigError
+from ..catalog import ModelSpec
+from ..errors import ConfigError
 
 # llama.cpp rounds each sequence's share of a non-unified KV cache up to a multiple of
 # 256 cells, so a smaller share silently allocates more memory than --ctx asked for.

@@ -14,11 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .engine import BatchEngine
-from .errors import LlamabatchError
-from .results import Event
-from .sampling import SamplingParams
-from .sequence import Sequence
+from ..engine import BatchEngine, Event, SamplingParams, Sequence
+from ..errors import LlamabatchError
 
 
 # A client whose stream has this many events it has not read has stopped reading: its

@@ -7,9 +7,9 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .catalog import Catalog
+from ..catalog import Catalog
 from .config import EngineConfig
-from .errors import DecodeError, PromptError
+from ..errors import DecodeError, PromptError
 from .native import Batch, Context, Model, init_backend, use_row_invariant_matmul
 from .results import Event, Result, RunStats
 from .sampling import SamplingParams, build_sampler, token_logprob

@@ -16,11 +16,11 @@ from fastapi import Depends, FastAPI, HTTPException, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .engine import BatchEngine
-from .errors import LlamabatchError
+from ..engine import BatchEngine, SamplingParams
+from ..errors import LlamabatchError
+from ..openai_format import ChatRequest, CompletionRequest, SamplingFields, engine_inputs, validation_message
 from .metrics import Metrics
-from .openai_api import BatchRequest, ChatRequest, CompletionRequest, Reply, SamplingFields
-from .sampling import SamplingParams
+from .openai_api import BatchRequest, Reply
 from .worker import EngineWorker, QueueFull, Request
 
 
@@ -54,9 +54,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"] if p != "body")
-        return _error(400, f"{where}: {first['msg']}" if where else first["msg"])
+        return _error(400, validation_message(exc.errors()))
 
     @app.get("/health")
     async def health():
@@ -77,26 +75,24 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, http: HttpRequest):
-        prompts = _prompts(body.prompt)
-        job = await _submit(worker, prompts, _params(body), metrics)
-        reply = Reply(job, _engine(worker), "text_completion", settings.request_timeout, metrics)
-        if body.stream:
-            return StreamingResponse(reply.completion_chunks(worker), media_type="text/event-stream")
-        return await reply.completion(worker, http)
+        return await answer(body, "text_completion", http)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatRequest, http: HttpRequest):
+        return await answer(body, "chat.completion", http)
+
+    async def answer(body: CompletionRequest | ChatRequest, kind: str, http: HttpRequest):
         engine = _engine(worker)
-        messages = [m.model_dump() for m in body.messages]
         try:
-            prompt = engine.model.apply_chat_template(messages, engine.chat_template)
+            prompts, params = engine_inputs(body, engine)
         except LlamabatchError as e:
             raise HTTPException(400, str(e)) from None
-        job = await _submit(worker, [prompt], _params(body), metrics)
-        reply = Reply(job, engine, "chat.completion", settings.request_timeout, metrics)
+        job = await _submit(worker, prompts, params, metrics)
+        reply = Reply(job, engine, kind, settings.request_timeout, metrics)
         if body.stream:
-            return StreamingResponse(reply.chat_chunks(worker), media_type="text/event-stream")
-        return await reply.chat(worker, http)
+            chunks = reply.chat_chunks(worker) if kind == "chat.completion" else reply.completion_chunks(worker)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        return await reply.whole(worker, http)
 
     @app.post("/v1/batch/completions", dependencies=[Depends(authorized)])
     async def batch_completions(body: BatchRequest, http: HttpRequest):
@@ -122,15 +118,6 @@ def _engine(worker: EngineWorker) -> BatchEngine:
     if worker.engine is None:
         raise HTTPException(503, "the model is still loading")
     return worker.engine
-
-
-def _prompts(prompt) -> list:
-    """OpenAI's prompt: a string, a list of strings, a list of token ids, or a list of those."""
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [prompt]
-    if not prompt:
-        raise HTTPException(400, "prompt: must not be empty")
-    return list(prompt)
 
 
 def _params(body: SamplingFields) -> SamplingParams:

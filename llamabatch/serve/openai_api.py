@@ -1,5 +1,5 @@
-"""OpenAI's API shapes: request bodies (pydantic), and one request's events turned into
-responses, whole or as Server-Sent Event chunks."""
+"""One request's events turned into OpenAI responses, whole or as Server-Sent Event chunks
+(the shapes themselves live in openai_format, shared with batch jobs)."""
 
 from __future__ import annotations
 
@@ -10,67 +10,19 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import HTTPException, Request as HttpRequest
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from .engine import BatchEngine
+from ..engine import BatchEngine, Event
+from ..openai_format import (
+    SamplingFields, chat_logprobs, choice_index, completion_logprobs, finish_reason, response_body, usage,
+)
 from .metrics import Metrics
-from .results import Event
-from .sampling import SamplingParams
 from .worker import EngineWorker, Request
-
-class SamplingFields(BaseModel):
-    """OpenAI's sampling fields (their defaults), plus llama.cpp's top_k and min_p."""
-
-    model: str | None = None
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    n: int = 1
-    ignore_eos: bool = False
-
-    def params(self) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        fields = self.model_dump(exclude={"model", "stop"} | set(self._extra_fields()))
-        return SamplingParams(**fields, stop=tuple(stop), logprobs=self.logprob_count())
-
-    def logprob_count(self) -> int | None:
-        return None
-
-    def _extra_fields(self) -> set[str]:
-        return set(type(self).model_fields) - set(SamplingFields.model_fields)
-
-
-class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    stream: bool = False
-    logprobs: int | None = None  # the sampled token's log-probability and this many alternatives
-
-    def logprob_count(self) -> int | None:
-        return self.logprobs
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str
-
-
-class ChatRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = False
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-    def logprob_count(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class BatchRequest(SamplingFields):
+    """llamabatch's own /v1/batch/completions: many prompts, answered together."""
+
     prompts: list[str] = Field(min_length=1)
 
 
@@ -84,10 +36,6 @@ class Reply:
         self.created = int(time.time())
         self.n_open = len(job.sequences)
         self._by_uid = {seq.uid: seq for seq in job.sequences}
-
-    def choice_index(self, seq_or_event) -> int:
-        n = self.job.sequences[0].params.n
-        return seq_or_event.index * n + seq_or_event.sample
 
     async def events(self, worker: EngineWorker, http: HttpRequest | None = None) -> AsyncIterator[Event]:
         """This request's events until every sequence has finished; cancels them if the client
@@ -116,35 +64,6 @@ class Reply:
             else:
                 self.metrics.finished.inc()
 
-    def _sequence(self, event: Event):
-        return self._by_uid[event.uid]
-
-    def _completion_logprobs(self, logprobs: list, seq) -> dict | None:
-        """OpenAI's legacy completions format: parallel lists per token."""
-        if seq.params.logprobs is None:
-            return None
-        vocab = self.vocab
-        return {
-            "tokens": [_piece(vocab, lp.token) for lp in logprobs],
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{_piece(vocab, t): v for t, v in lp.top} for lp in logprobs],
-        }
-
-    def _chat_logprobs(self, logprobs: list, seq) -> dict | None:
-        """OpenAI's chat format: one entry per token, with its alternatives."""
-        if seq.params.logprobs is None:
-            return None
-
-        def entry(token: int, logprob: float) -> dict:
-            return {"token": _piece(self.vocab, token), "logprob": logprob, "bytes": list(self.vocab.piece(token))}
-
-        return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
-
-    def usage(self) -> dict:
-        prompt = sum(s.n_prompt for s in self.job.sequences if s.sample == 0)
-        completion = sum(s.n_generated for s in self.job.sequences)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
     def _object(self, choices: list, **extra) -> dict:
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "choices": choices, **extra}
 
@@ -154,23 +73,10 @@ class Reply:
         if self.n_open:
             raise HTTPException(499, "the client disconnected")
 
-    async def completion(self, worker: EngineWorker, http: HttpRequest) -> dict:
+    async def whole(self, worker: EngineWorker, http: HttpRequest) -> dict:
+        """The completion or chat.completion object, once every sequence has finished."""
         await self._drain(worker, http)
-        choices = [
-            {"index": self.choice_index(s), "text": s.text.text, "logprobs": self._completion_logprobs(s.logprobs, s),
-             "finish_reason": s.finish_reason}
-            for s in self.job.sequences
-        ]
-        return self._object(sorted(choices, key=lambda c: c["index"]), usage=self.usage())
-
-    async def chat(self, worker: EngineWorker, http: HttpRequest) -> dict:
-        await self._drain(worker, http)
-        choices = [
-            {"index": s.sample, "message": {"role": "assistant", "content": s.text.text},
-             "logprobs": self._chat_logprobs(s.logprobs, s), "finish_reason": s.finish_reason}
-            for s in self.job.sequences
-        ]
-        return self._object(choices, usage=self.usage())
+        return response_body(self.kind, self.id, self.created, self.model, self.job.sequences, self.vocab)
 
     async def batch(self, worker: EngineWorker, http: HttpRequest) -> dict:
         await self._drain(worker, http)
@@ -184,7 +90,7 @@ class Reply:
                                                "decode_s": result.timings.decode_s},
             })
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "results": results,
-                "usage": self.usage(), "timings": {"wall_s": time.perf_counter() - self.job.t_start}}
+                "usage": usage(self.job.sequences), "timings": {"wall_s": time.perf_counter() - self.job.t_start}}
 
     async def completion_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
         async for chunk in _errors_as_events(self._completion_chunks(worker)):
@@ -197,12 +103,12 @@ class Reply:
     async def _completion_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
         async for event in self.events(worker):
             if event.text or event.finish_reason:
-                seq = self._sequence(event)
-                logprobs = [event.logprob] if event.logprob else []
-                choice = {"index": self.choice_index(event), "text": event.text,
-                          "logprobs": self._completion_logprobs(logprobs, seq), "finish_reason": _reason(event)}
+                seq = self._by_uid[event.uid]
+                logprobs = completion_logprobs([event.logprob] if event.logprob else [], seq, self.vocab)
+                choice = {"index": choice_index(seq), "text": event.text, "logprobs": logprobs,
+                          "finish_reason": finish_reason(event.finish_reason)}
                 yield _sse(self._object([choice]))
-        yield _sse(self._object([], usage=self.usage()))
+        yield _sse(self._object([], usage=usage(self.job.sequences)))
         yield "data: [DONE]\n\n"
 
     async def _chat_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
@@ -212,10 +118,11 @@ class Reply:
         async for event in self.events(worker):
             if event.text or event.finish_reason:
                 delta = {"content": event.text} if event.text else {}
-                logprobs = self._chat_logprobs([event.logprob] if event.logprob else [], self._sequence(event))
-                choice = {"index": event.sample, "delta": delta, "logprobs": logprobs, "finish_reason": _reason(event)}
+                logprobs = chat_logprobs([event.logprob] if event.logprob else [], self._by_uid[event.uid], self.vocab)
+                choice = {"index": event.sample, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": finish_reason(event.finish_reason)}
                 yield _sse(self._object([choice], object="chat.completion.chunk"))
-        yield _sse(self._object([], object="chat.completion.chunk", usage=self.usage()))
+        yield _sse(self._object([], object="chat.completion.chunk", usage=usage(self.job.sequences)))
         yield "data: [DONE]\n\n"
 
 
@@ -226,14 +133,6 @@ async def _errors_as_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             yield chunk
     except HTTPException as e:
         yield _sse({"error": {"message": str(e.detail), "type": "server_error", "param": None, "code": e.status_code}})
-
-
-def _piece(vocab, token: int) -> str:
-    return vocab.piece(token).decode(errors="replace")
-
-
-def _reason(event: Event) -> str | None:
-    return event.finish_reason if event.finish_reason in (None, "stop", "length") else "stop"
 
 
 def _sse(obj: dict) -> str:

@@ -19,11 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .engine import BatchEngine
-from .errors import LlamabatchError
-from .memory import KvShape
-from .sampling import SamplingParams
-from .sequence import Sequence
+from ..engine import BatchEngine, SamplingParams, Sequence
+from ..errors import LlamabatchError
+from ..engine.memory import KvShape
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .engine import BatchEngine
-from .errors import PromptError
-from .sampling import SamplingParams
-from .sequence import Sequence, common_prefix
+from ..engine import BatchEngine, SamplingParams, Sequence
+from ..errors import PromptError
+from ..engine.sequence import common_prefix
 
 # Prompts of about 10 to 400 tokens (Gemma's tokenizer), in two styles.
 _TEXT = (

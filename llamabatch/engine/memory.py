@@ -15,8 +15,8 @@ from pathlib import Path
 
 import llama_cpp
 
-from .catalog import Catalog
-from .errors import ConfigError
+from ..catalog import Catalog
+from ..errors import ConfigError
 from .native import Model, init_backend
 
 CELL_PAD = 256

@@ -6,8 +6,8 @@ import json
 from dataclasses import fields, replace
 from pathlib import Path
 
-from .errors import LlamabatchError
-from .sampling import SamplingParams
+from ..errors import LlamabatchError
+from ..engine import SamplingParams
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 

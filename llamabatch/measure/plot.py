@@ -10,11 +10,11 @@ try:
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 except ImportError:
-    from .errors import LlamabatchError
+    from ..errors import LlamabatchError
 
     raise LlamabatchError("--plot needs matplotlib: pip install 'llamabatch[plot]'") from None
 
-from .bench import SweepPoint
+from .sweep import SweepPoint
 
 
 def sweep_plot(points: list[SweepPoint], path: Path, title: str) -> None:

@@ -1,0 +1,13 @@
+"""The engine wing: llama.cpp handles, sequences, scheduling, sampling and the step loop.
+It imports nothing of serve, jobs, measure or cli; only the top-level errors and catalog."""
+
+from .batch_engine import BatchEngine
+from .config import EngineConfig
+from .results import Event, Result, RunStats, Timings, TokenLogprob
+from .sampling import SamplingParams
+from .sequence import Sequence, Status
+
+__all__ = [
+    "BatchEngine", "EngineConfig", "Event", "Result", "RunStats", "SamplingParams", "Sequence", "Status",
+    "Timings", "TokenLogprob",
+]

@@ -1,0 +1,2 @@
+"""The jobs wing: offline work from files (prompt files, batch jobs that stream and resume).
+It imports the engine wing, openai_format and the top-level errors/catalog; never serve, measure or cli."""
