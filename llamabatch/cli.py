@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import shlex
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
@@ -47,6 +48,21 @@ SharePrefixesOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Write JSON Lines to stdout.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log.")]
 
+# Sampling: `run` gives them SamplingParams' defaults, `batch` None (= not given: defaults apply).
+MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", help="Tokens to generate per prompt.")]
+TemperatureOpt = Annotated[Optional[float], typer.Option("--temperature", "--temp", help="0 = greedy.")]
+TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="0 = off.")]
+TopPOpt = Annotated[Optional[float], typer.Option("--top-p", help="1 = off.")]
+MinPOpt = Annotated[Optional[float], typer.Option("--min-p", help="0 = off.")]
+RepeatPenaltyOpt = Annotated[Optional[float], typer.Option("--repeat-penalty", help="1 = off.")]
+PresencePenaltyOpt = Annotated[Optional[float], typer.Option("--presence-penalty")]
+FrequencyPenaltyOpt = Annotated[Optional[float], typer.Option("--frequency-penalty")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Same seed + same batch = same output.")]
+StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable); not included in the text.")]
+IgnoreEosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos", help="Generate past end-of-generation tokens.")]
+SamplesOpt = Annotated[Optional[int], typer.Option("-n", "--n", help="Samples per prompt; they share its KV (sample k: seed + k).")]
+ChatOpt = Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template.")]
+
 
 def command(fn):
     """Register a command whose LlamabatchErrors become one red line and exit code 1."""
@@ -68,18 +84,18 @@ def run(
     prompts_file: Annotated[Optional[Path], typer.Option(help="Prompts: one per line, or JSONL objects with 'prompt' and sampling fields.")] = None,
     model: ModelOpt = None,
     config: CatalogOpt = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens")] = _DEFAULT.max_tokens,
-    temperature: Annotated[float, typer.Option("--temperature", "--temp", help="0 = greedy.")] = _DEFAULT.temperature,
-    top_k: Annotated[int, typer.Option(help="0 = off.")] = _DEFAULT.top_k,
-    top_p: Annotated[float, typer.Option(help="1 = off.")] = _DEFAULT.top_p,
-    min_p: Annotated[float, typer.Option(help="0 = off.")] = _DEFAULT.min_p,
-    repeat_penalty: Annotated[float, typer.Option(help="1 = off.")] = _DEFAULT.repeat_penalty,
-    presence_penalty: float = _DEFAULT.presence_penalty,
-    frequency_penalty: float = _DEFAULT.frequency_penalty,
-    seed: Annotated[Optional[int], typer.Option(help="Same seed + same batch = same output.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable); not included in the text.")] = None,
-    ignore_eos: Annotated[bool, typer.Option(help="Generate past end-of-generation tokens.")] = False,
-    n: Annotated[int, typer.Option("-n", "--n", help="Samples per prompt; they share its KV (sample k: seed + k).")] = 1,
+    max_tokens: MaxTokensOpt = _DEFAULT.max_tokens,
+    temperature: TemperatureOpt = _DEFAULT.temperature,
+    top_k: TopKOpt = _DEFAULT.top_k,
+    top_p: TopPOpt = _DEFAULT.top_p,
+    min_p: MinPOpt = _DEFAULT.min_p,
+    repeat_penalty: RepeatPenaltyOpt = _DEFAULT.repeat_penalty,
+    presence_penalty: PresencePenaltyOpt = _DEFAULT.presence_penalty,
+    frequency_penalty: FrequencyPenaltyOpt = _DEFAULT.frequency_penalty,
+    seed: SeedOpt = None,
+    stop: StopOpt = None,
+    ignore_eos: IgnoreEosOpt = False,
+    n: SamplesOpt = 1,
     parallel: ParallelOpt = None,
     ctx: CtxOpt = None,
     memory: MemoryOpt = None,
@@ -90,7 +106,7 @@ def run(
     kv_unified: KvUnifiedOpt = None,
     share_prefixes: SharePrefixesOpt = None,
     deterministic: DeterministicOpt = None,
-    chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template.")] = None,
+    chat: ChatOpt = None,
     stream: Annotated[bool, typer.Option(help="Show each sequence's text live.")] = False,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
@@ -162,6 +178,92 @@ def _report(results: list[Result], stats: dict, json_out: bool, streamed: bool) 
         for result in results:
             display.completion(result)
     display.summary(stats)
+
+
+@command
+def batch(
+    context: typer.Context,
+    input: Annotated[str, typer.Argument(help="Requests: OpenAI batch lines, JSONL {\"prompt\", ...}, or one prompt a line; '-' = stdin; .gz read as is.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Results, one JSON line per request as it completes; resumed if it exists.")],
+    errors: Annotated[Optional[Path], typer.Option("--errors", help="Failed requests (default: OUTPUT.errors.jsonl).")] = None,
+    retry_errors: Annotated[bool, typer.Option("--retry-errors", help="Run the requests in the error file again.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start afresh instead of resuming.")] = False,
+    model: ModelOpt = None,
+    config: CatalogOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    temperature: TemperatureOpt = None,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    min_p: MinPOpt = None,
+    repeat_penalty: RepeatPenaltyOpt = None,
+    presence_penalty: PresencePenaltyOpt = None,
+    frequency_penalty: FrequencyPenaltyOpt = None,
+    seed: SeedOpt = None,
+    stop: StopOpt = None,
+    ignore_eos: IgnoreEosOpt = None,
+    n: SamplesOpt = None,
+    parallel: Annotated[Optional[int], typer.Option("--parallel", "-np", help="Sequences decoded together (slots).")] = None,
+    ctx: CtxOpt = None,
+    batch_size: BatchOpt = None,
+    ubatch_size: UbatchOpt = None,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    kv_unified: KvUnifiedOpt = None,
+    share_prefixes: SharePrefixesOpt = None,
+    deterministic: DeterministicOpt = None,
+    chat: ChatOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as one JSON object.")] = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Run a job file of any size: results stream to OUTPUT as they finish; a rerun resumes."""
+    from .jobs.batch_job import BatchJob, stop_on_signals
+
+    given = dict(
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repeat_penalty=repeat_penalty, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        seed=seed, stop=stop and tuple(stop), ignore_eos=ignore_eos, n=n,
+    )
+    given = {k: v for k, v in given.items() if v is not None}
+    with BatchEngine(
+        model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
+        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
+        deterministic=deterministic, chat=chat, verbose=verbose,
+    ) as engine:
+        job = BatchJob(engine, input, output, errors=errors, base=SamplingParams(**given) if given else None,
+                       retry_errors=retry_errors, overwrite=overwrite)
+        with stop_on_signals(job), display.BatchProgress(job.summary) as progress:
+            job.on_progress = progress.update
+            summary = job.run()
+    if json_out:
+        display.json_line({"summary": {"model": engine.model_name, "parallel": engine.config.n_parallel, **summary.to_dict()}})
+    else:
+        display.batch_summary(summary, job.output, job.errors)
+    if not summary.complete:
+        display.error_line(
+            f"stopped by {summary.stopped_by}: {summary.done} requests done in this run; "
+            f"resume with: {_command_line(context, drop={'overwrite'})}"
+        )
+        raise typer.Exit(130 if summary.stopped_by == "SIGINT" else 143)
+    if summary.failed:
+        display.error_line(f"{summary.failed} requests failed: see {job.errors}")
+        raise typer.Exit(1)
+
+
+def _command_line(context: typer.Context, drop: set[str]) -> str:
+    """The command being run, as typed (the options given on the command line), without `drop`."""
+    words = ["llamabatch", context.info_name]
+    for param in context.command.params:
+        if param.name in drop or context.get_parameter_source(param.name).name != "COMMANDLINE":
+            continue
+        value = context.params[param.name]
+        if param.param_type_name == "argument":
+            words.append(str(value))
+        elif param.is_flag:
+            words.append(param.opts[0] if value else param.secondary_opts[0])
+        else:
+            for v in value if param.multiple else [value]:
+                words += [param.opts[0], str(v)]
+    return shlex.join(words)
 
 
 @command

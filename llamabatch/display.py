@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterable
 
 from rich import box
@@ -57,6 +58,81 @@ def progress(total: int) -> Progress:
         TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=err, transient=True, disable=total < 2,
     )
+
+
+class BatchProgress:
+    """A batch job's progress on stderr: requests done of the total, requests/s and generated
+    tokens/s of this run, and the time left. A live bar on a terminal; in a log file, one plain
+    line every `every_s` seconds and at the end."""
+
+    def __init__(self, summary, every_s: float = 10.0) -> None:
+        self.summary = summary
+        self.every_s = every_s
+        self.started = self.printed = time.perf_counter()
+        self.bar = Progress(
+            TextColumn("batch"), BarColumn(), TextColumn("{task.fields[status]}"), console=err, transient=True,
+        ) if err.is_terminal else None
+
+    def __enter__(self) -> BatchProgress:
+        if self.bar is not None:
+            self.bar.start()
+            self.task = self.bar.add_task("batch", total=self.summary.total, status="starting")
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        elif exc_type is None:
+            err.print(self.status(), soft_wrap=True)
+
+    def update(self, summary) -> None:
+        now = time.perf_counter()
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self._processed, status=self.status())
+        elif now - self.printed >= self.every_s:
+            err.print(self.status(), soft_wrap=True)
+            self.printed = now
+
+    @property
+    def _processed(self) -> int:
+        s = self.summary
+        return s.done + s.failed + s.skipped
+
+    def status(self) -> str:
+        s, elapsed = self.summary, max(time.perf_counter() - self.started, 1e-9)
+        rate = (s.done + s.failed) / elapsed
+        done = f"{self._processed:,}" + (f"/{s.total:,}" if s.total is not None else "")
+        text = f"{done} requests · {rate:,.1f} req/s · {s.completion_tokens / elapsed:,.0f} tok/s"
+        if s.total is not None and rate > 0:
+            text += f" · ETA {_duration((s.total - self._processed) / rate)}"
+        return text
+
+
+def batch_summary(summary, output, errors) -> None:
+    """`llamabatch batch`: what this run did, and where its lines went."""
+    s = summary
+    table = Table(title="batch summary", show_header=False, title_justify="left", box=None)
+    rows = [
+        ("requests done", f"{s.done:,}" + (f" of {s.total:,} in the input" if s.total is not None else "")),
+        ("already done (skipped)", f"{s.skipped:,}"),
+        ("failed", f"{s.failed:,}"),
+        ("prompt tokens", f"{s.prompt_tokens:,}"),
+        ("completion tokens", f"{s.completion_tokens:,}"),
+        ("decode calls", f"{s.decode_calls:,}"),
+        ("mean active sequences", f"{s.mean_active_sequences:.2f}"),
+        ("wall", f"{s.wall_s:.2f} s"),
+        ("tokens/s", f"{s.tokens_per_s:,.1f}"),
+        ("output", str(output)),
+        ("errors", str(errors)),
+    ]
+    for key, value in rows:
+        table.add_row(key, escape(value))
+    out.print(table)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 class StreamView:

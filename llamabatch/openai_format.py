@@ -4,6 +4,7 @@ sequences. One place, so a batch job's output body is exactly what the server an
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence as Seq
 
 from pydantic import BaseModel, Field, ValidationError
@@ -130,6 +131,17 @@ def chat_choices(sequences: Seq[Sequence], vocab: Vocab) -> list[dict]:
          "logprobs": chat_logprobs(s.logprobs, s, vocab), "finish_reason": finish_reason(s.finish_reason)}
         for s in sequences
     ]
+
+
+def new_id(kind: str) -> str:
+    """A fresh response id: chatcmpl-... for chat, cmpl-... for completions."""
+    return f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{secrets.token_hex(12)}"
+
+
+def error_body(status: int, message: str, kind: str | None = None) -> dict:
+    """OpenAI's error object, as the server answers a failed request."""
+    kind = kind or {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
 def response_body(kind: str, id: str, created: int, model: str, sequences: Seq[Sequence], vocab: Vocab) -> dict:

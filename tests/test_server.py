@@ -16,41 +16,7 @@ import uvicorn
 from llamabatch import BatchEngine, SamplingParams
 from llamabatch.serve.app import ServerSettings, create_app
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def serve(tiny_model):
-    """Start servers (real uvicorn, real engine thread) on free ports; all stopped afterwards."""
-    servers = []
-
-    def start(n_parallel: int = 4, n_ctx: int | None = None, engine_extra: dict | None = None, **settings) -> str:
-        engine = dict(model=tiny_model, n_parallel=n_parallel, n_ctx=n_ctx or 512 * n_parallel, n_threads=2, **(engine_extra or {}))
-        app = create_app(ServerSettings(engine=engine, **settings))
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        servers.append((server, thread))
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    return base
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("server did not start")
-
-    yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(timeout=10)
+from conftest import free_port
 
 
 @pytest.fixture(scope="module")

@@ -109,3 +109,30 @@ def test_more_samples_than_slots_reuse_the_prompt_from_a_finished_slot(make_engi
     # the first wave decodes the prompt once; the second takes it from a finished slot's cache
     # and decodes only its last token again, for the logits
     assert engine.stats.prompt_tokens_evaluated == len(engine.tokenize_prompt(prompt)) + 1
+
+
+@kv_modes
+def test_a_follower_of_a_follower_gets_its_shorter_prefix_when_the_middle_one_gets_its_own(
+    make_engine, tiny_model, kv_unified
+):
+    """C prefills; A shares 9 tokens with C and follows it; B shares only 8 (C already holds 8,
+    so B follows A). When C reaches 9, A's copy lands past B's 8: B must get its 8 from A then,
+    not leave A with a negative chunk (this once overflowed the batch)."""
+    engine = make_engine(n_parallel=4, n_batch=8, kv_unified=kv_unified)
+    vocab = engine.vocab
+    base = engine.tokenize_prompt("the capital of France is Paris and the capital of Paris is France")
+    assert len(base) > 12
+    c = list(base)
+    a = base[:9] + vocab.tokenize(" hello world", add_special=False)
+    b = base[:8] + vocab.tokenize(" once upon a time", add_special=False)
+    assert a[8] != b[8] and a[:9] == c[:9]
+    engine.add(c, GREEDY)
+    engine.step()  # C prefills its first n_batch = 8 tokens
+    [seq_a] = engine.add(a, GREEDY)
+    [seq_b] = engine.add(b, GREEDY)
+    results = {seq.uid: seq for seq in (seq_a, seq_b)}
+    for _ in engine.run():
+        pass
+    assert engine.stats.prompt_tokens_reused >= 9 + 8
+    expected = reference_greedy(tiny_model, [a, b], GREEDY.max_tokens, n_ctx=2048, n_batch=512, n_threads=2)
+    assert [results[seq_a.uid].tokens[len(a):], results[seq_b.uid].tokens[len(b):]] == expected

@@ -257,6 +257,9 @@ class BatchEngine:
         if follower.n_pending == 0:  # the whole prompt is shared: sample from the leader's logits
             follower.i_batch = leader.i_batch
             yield self._sample(follower)
+        # The follower may have jumped past what its own followers wait for: they copy from it now.
+        for waiting in [f for f in follower.followers if f.n_shared <= follower.n_past]:
+            yield from self._share_prefix(follower, waiting)
 
     def _sample(self, seq: Sequence) -> Event:
         token = seq.sampler.sample(self.ctx, seq.i_batch)

@@ -1,15 +1,14 @@
-"""Prompts from the command line and from prompt files (plain lines, or JSON Lines with sampling fields)."""
+"""Prompts for `llamabatch run`: from -p, and from prompt files read as a batch job reads them
+(plain lines or JSON Lines with sampling fields, .gz or '-'), all held in memory."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import fields, replace
+from contextlib import closing
 from pathlib import Path
 
-from ..errors import LlamabatchError
 from ..engine import SamplingParams
-
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+from ..errors import LlamabatchError
+from .inputs import BadLine, Format, RequestReader
 
 
 def gather_prompts(
@@ -26,32 +25,16 @@ def gather_prompts(
 
 
 def read_prompts_file(path: Path, base: SamplingParams) -> tuple[list[str], list[SamplingParams]]:
-    """Plain text (one prompt per non-blank line) or JSON Lines ({"prompt": ..., sampling fields})."""
-    if not path.is_file():
-        raise LlamabatchError(f"prompts file not found: {path}")
-    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-    if not lines or not lines[0][1].lstrip().startswith("{"):
-        return [line for _, line in lines], [base] * len(lines)
+    """Every prompt of the file; a bad line stops `run` before anything is decoded."""
+    reader = RequestReader(path, base)
+    if reader.format is Format.OPENAI:
+        reader.close()
+        raise LlamabatchError(f"{path} is an OpenAI batch file: run it with `llamabatch batch {path} -o OUTPUT`")
     prompts, params = [], []
-    for n, line in lines:
-        prompt, sampling = _parse_jsonl_entry(line, f"{path}:{n}")
-        try:
-            params.append(replace(base, **sampling))
-        except LlamabatchError as e:
-            raise LlamabatchError(f"{path}:{n}: {e}") from None
-        prompts.append(prompt)
+    with closing(reader):
+        for request in reader:
+            if isinstance(request, BadLine):
+                raise LlamabatchError(f"{path}:{request.line}: {request.message}")
+            prompts.append(request.prompt)
+            params.append(request.params)
     return prompts, params
-
-
-def _parse_jsonl_entry(line: str, where: str) -> tuple[str, dict]:
-    try:
-        entry = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise LlamabatchError(f"{where}: not valid JSON ({e.msg})") from None
-    if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
-        raise LlamabatchError(f"{where}: expected an object with a string 'prompt'")
-    unknown = set(entry) - _SAMPLING_FIELDS - {"prompt"}
-    if unknown:
-        raise LlamabatchError(f"{where}: unknown fields {sorted(unknown)}")
-    prompt = entry.pop("prompt")
-    return prompt, entry

@@ -18,7 +18,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine import BatchEngine, SamplingParams
 from ..errors import LlamabatchError
-from ..openai_format import ChatRequest, CompletionRequest, SamplingFields, engine_inputs, validation_message
+from ..openai_format import (
+    ChatRequest, CompletionRequest, SamplingFields, engine_inputs, error_body, validation_message,
+)
 from .metrics import Metrics
 from .openai_api import BatchRequest, Reply
 from .worker import EngineWorker, QueueFull, Request
@@ -146,6 +148,4 @@ async def _submit(worker: EngineWorker, prompts: list, params: SamplingParams, m
 
 
 def _error(status: int, message: str, kind: str | None = None, headers: dict | None = None) -> JSONResponse:
-    kind = kind or {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                        status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, kind), status_code=status, headers=headers)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 from collections.abc import AsyncIterator
 
@@ -14,7 +13,7 @@ from pydantic import Field
 
 from ..engine import BatchEngine, Event
 from ..openai_format import (
-    SamplingFields, chat_logprobs, choice_index, completion_logprobs, finish_reason, response_body, usage,
+    SamplingFields, chat_logprobs, choice_index, completion_logprobs, finish_reason, new_id, response_body, usage,
 )
 from .metrics import Metrics
 from .worker import EngineWorker, Request
@@ -32,7 +31,7 @@ class Reply:
     def __init__(self, job: Request, engine: BatchEngine, kind: str, timeout: float, metrics: Metrics) -> None:
         self.job, self.model, self.kind, self.timeout, self.metrics = job, engine.model_name, kind, timeout, metrics
         self.vocab = engine.vocab  # pieces are cached and read-only: safe beside the engine thread
-        self.id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{secrets.token_hex(12)}"
+        self.id = new_id(kind)
         self.created = int(time.time())
         self.n_open = len(job.sequences)
         self._by_uid = {seq.uid: seq for seq in job.sequences}

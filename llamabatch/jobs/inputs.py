@@ -1,0 +1,225 @@
+"""Job inputs, read lazily line by line: OpenAI Batch API lines, llamabatch JSON Lines, or plain
+text (one prompt a line). The format is told by the first non-blank line; `-` is standard
+input and a `.gz` file is read through gzip. A line that cannot run becomes a BadLine that
+names the problem; the lines around it are unaffected."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields
+from enum import Enum
+from pathlib import Path
+from typing import BinaryIO
+
+from pydantic import TypeAdapter, ValidationError
+
+from ..engine import SamplingParams
+from ..errors import LlamabatchError
+from ..openai_format import ENDPOINTS, SamplingFields, validation_message
+
+STDIN = "-"
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+_OPENAI_FIELDS = {"custom_id", "method", "url", "body"}
+_PARAMS = TypeAdapter(SamplingParams)  # checks each field's type, then SamplingParams its range
+
+
+class Format(Enum):
+    OPENAI = "openai"  # {"custom_id", "method", "url", "body"}
+    JSONL = "jsonl"  # {"prompt", sampling fields..., optional "id"}
+    TEXT = "text"  # one prompt a line
+
+    @property
+    def id_field(self) -> str:
+        """The field of an output line that holds the request's id."""
+        return "custom_id" if self is Format.OPENAI else "id"
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """One line that can run: an OpenAI body for one of ENDPOINTS, or a prompt with its params."""
+
+    id: str
+    line: int  # 1-based line number in the input
+    url: str | None = None  # OpenAI format: the endpoint the body is for
+    body: SamplingFields | None = None
+    prompt: str | None = None  # llamabatch formats
+    params: SamplingParams | None = None
+
+
+@dataclass(frozen=True)
+class BadLine:
+    """A line that cannot run. `status` is the HTTP status the server would answer for the same
+    body (400), or None for a line that is not a request at all (not JSON, no body, bad url)."""
+
+    id: str
+    line: int
+    message: str
+    status: int | None = None
+
+
+def line_id(n: int) -> str:
+    """The stable id of a line that does not give one."""
+    return f"line-{n}"
+
+
+def open_binary(source: str | Path) -> BinaryIO:
+    """The input's bytes: standard input for '-', gunzipped for a .gz file."""
+    if str(source) == STDIN:
+        return sys.stdin.buffer
+    path = Path(source)
+    if not path.is_file():
+        raise LlamabatchError(f"input not found: {path}")
+    return gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")
+
+
+def numbered_lines(source: str | Path) -> Iterator[tuple[int, str | None]]:
+    """(line number, text) for every non-blank line, lazily; text is None for a line that is not UTF-8."""
+    stream = open_binary(source)
+    try:
+        for n, raw in enumerate(stream, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield n, None
+                continue
+            if text.strip():
+                yield n, text
+    except (OSError, EOFError, gzip.BadGzipFile) as e:  # a truncated or corrupt .gz
+        raise LlamabatchError(f"cannot read {source}: {e}") from None
+    finally:
+        if stream is not sys.stdin.buffer:
+            stream.close()
+
+
+def detect_format(first: str | None) -> Format:
+    """OpenAI lines carry custom_id/url/body; other JSON objects are llamabatch's; the rest is text."""
+    if first is None:
+        raise LlamabatchError("the input is not text: its first line is not UTF-8")
+    if not first.lstrip().startswith("{"):
+        return Format.TEXT
+    try:
+        obj = json.loads(first)
+    except json.JSONDecodeError as e:
+        raise LlamabatchError(f"the input's first line looks like JSON but is not ({e.msg}): cannot tell its format") from None
+    if isinstance(obj, dict) and ("body" in obj or "url" in obj or "custom_id" in obj):
+        return Format.OPENAI
+    return Format.JSONL
+
+
+class RequestReader:
+    """Reads one input lazily, yielding a JobRequest or BadLine per non-blank line."""
+
+    def __init__(self, source: str | Path, base: SamplingParams | None = None) -> None:
+        self.source = source
+        self.base = base or SamplingParams()
+        self._lines = numbered_lines(source)
+        self._first = next(self._lines, None)
+        try:
+            if self._first is None:
+                raise LlamabatchError(f"the input {source} is empty: no requests to run")
+            self.format = detect_format(self._first[1])
+        except LlamabatchError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close the input file (safe to call twice; reading stops there)."""
+        self._lines.close()
+
+    def __iter__(self) -> Iterator[JobRequest | BadLine]:
+        first, self._first = self._first, None
+        if first is None:
+            raise LlamabatchError("a RequestReader is read once")
+        for n, text in _chain(first, self._lines):
+            yield self.parse(n, text)
+
+    def parse(self, n: int, text: str | None) -> JobRequest | BadLine:
+        if text is None:
+            return BadLine(line_id(n), n, "not UTF-8 text")
+        if self.format is Format.TEXT:
+            return JobRequest(line_id(n), n, prompt=text.rstrip("\r\n"), params=self.base)
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            return BadLine(line_id(n), n, f"not valid JSON ({e.msg})")
+        if not isinstance(obj, dict):
+            return BadLine(line_id(n), n, "expected a JSON object")
+        id_ = obj.get(self.format.id_field, line_id(n))
+        if not isinstance(id_, str) or not id_:
+            return BadLine(line_id(n), n, f"{self.format.id_field} must be a non-empty string")
+        parse = self._openai if self.format is Format.OPENAI else self._jsonl
+        return parse(id_, n, obj)
+
+    def _openai(self, id_: str, n: int, obj: dict) -> JobRequest | BadLine:
+        unknown = set(obj) - _OPENAI_FIELDS
+        if unknown:
+            return BadLine(id_, n, f"unknown fields {sorted(unknown)} (a line has custom_id, method, url, body)")
+        if obj.get("method", "POST") != "POST":
+            return BadLine(id_, n, f"method must be POST, got {obj.get('method')!r}")
+        url = obj.get("url")
+        if url not in ENDPOINTS:
+            return BadLine(id_, n, f"unsupported url {url!r}: supported are {', '.join(ENDPOINTS)}")
+        if not isinstance(obj.get("body"), dict):
+            return BadLine(id_, n, "body must be a JSON object")
+        model, _ = ENDPOINTS[url]
+        try:
+            body = model.model_validate(obj["body"])
+            if body.stream:
+                raise LlamabatchError("stream: a batch job answers whole, set it to false or leave it out")
+            body.params()  # sampling values out of range fail now, not after tokenizing
+        except ValidationError as e:
+            return BadLine(id_, n, validation_message(e), status=400)
+        except LlamabatchError as e:
+            return BadLine(id_, n, str(e), status=400)
+        return JobRequest(id_, n, url=url, body=body)
+
+    def _jsonl(self, id_: str, n: int, obj: dict) -> JobRequest | BadLine:
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, str):
+            return BadLine(id_, n, "expected an object with a string 'prompt'")
+        unknown = set(obj) - _SAMPLING_FIELDS - {"prompt", "id"}
+        if unknown:
+            return BadLine(id_, n, f"unknown fields {sorted(unknown)}")
+        try:
+            params = jsonl_params(self.base, {k: v for k, v in obj.items() if k in _SAMPLING_FIELDS})
+        except LlamabatchError as e:
+            return BadLine(id_, n, str(e), status=400)
+        return JobRequest(id_, n, prompt=prompt, params=params)
+
+
+def jsonl_params(base: SamplingParams, fields_: dict) -> SamplingParams:
+    """`base` with a JSON line's sampling fields, each type-checked ('stop' may be one string)."""
+    if isinstance(fields_.get("stop"), str):
+        fields_ = {**fields_, "stop": [fields_["stop"]]}
+    try:
+        return _PARAMS.validate_python({**asdict(base), **fields_})
+    except ValidationError as e:
+        first = e.errors()[0]
+        if first["type"] == "value_error":  # the types were right; SamplingParams refused a value
+            raise first["ctx"]["error"] from None
+        raise LlamabatchError(f"invalid sampling parameter: {validation_message(e)}") from None
+
+
+def _chain(first: tuple[int, str | None], rest: Iterator[tuple[int, str | None]]) -> Iterator[tuple[int, str | None]]:
+    yield first
+    yield from rest
+
+
+def peek_ids(source: str | Path, fmt: Format) -> Iterator[tuple[str, int]]:
+    """(id, line number) of every non-blank line, parsing no more than the id: the quick pass
+    before a job that counts its requests and finds duplicate ids."""
+    for n, text in numbered_lines(source):
+        if fmt is Format.TEXT or text is None:
+            yield line_id(n), n
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            yield line_id(n), n
+            continue
+        id_ = obj.get(fmt.id_field, line_id(n)) if isinstance(obj, dict) else line_id(n)
+        yield (id_ if isinstance(id_, str) and id_ else line_id(n)), n
+

@@ -1,0 +1,45 @@
+"""The lines a batch job writes. OpenAI-format input gets OpenAI's batch output objects (the body
+is the server's own response object); llamabatch's formats get a compact line per request."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence as Seq
+
+from ..engine import BatchEngine, Sequence
+from ..openai_format import ENDPOINTS, error_body, new_id, response_body, usage
+from .inputs import Format, JobRequest
+
+
+def result_record(fmt: Format, request: JobRequest, sequences: Seq[Sequence], engine: BatchEngine, created: int) -> dict:
+    """A finished request's output line."""
+    if fmt is Format.OPENAI:
+        kind = ENDPOINTS[request.url][1]
+        body = response_body(kind, new_id(kind), created, engine.model_name, sequences, engine.vocab)
+        return {"id": _batch_id(), "custom_id": request.id,
+                "response": {"status_code": 200, "request_id": _request_id(), "body": body}, "error": None}
+    choices = [{"index": s.sample, "text": s.text.text, "finish_reason": s.finish_reason, "completion_tokens": s.n_generated}
+               for s in sequences]
+    return {"id": request.id, "line": request.line, "prompt": request.prompt, "choices": choices, "usage": usage(sequences)}
+
+
+def error_record(fmt: Format, id_: str, line: int, message: str, status: int | None) -> dict:
+    """A failed request's error line. `status` is what the server would answer for the same body
+    (400 invalid, 500 failed while generating), or None for a line that is not a request at all;
+    in OpenAI's format a status comes with the server's error body, as OpenAI writes HTTP errors."""
+    code = {None: "invalid_line", 400: "invalid_request"}.get(status, "generation_failed")
+    error = {"code": code, "message": message, "line": line}
+    if fmt is not Format.OPENAI:
+        return {"id": id_, "line": line, "error": error}
+    response = None
+    if status is not None:
+        response = {"status_code": status, "request_id": _request_id(), "body": error_body(status, message)}
+    return {"id": _batch_id(), "custom_id": id_, "response": response, "error": error}
+
+
+def _batch_id() -> str:
+    return f"batch_req_{secrets.token_hex(12)}"
+
+
+def _request_id() -> str:
+    return f"req_{secrets.token_hex(12)}"
