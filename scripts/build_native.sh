@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own reference tools, llama-batched-bench and llama-server, from the
-# llama.cpp sources vendored in the sdist of the installed llama-cpp-python: the same
-# llama.cpp version as the binding, so native and llamabatch figures compare fairly.
+# Build llama.cpp's own reference tools (llama-batched-bench, llama-server, llama-perplexity,
+# llama-lookup, llama-speculative) from the llama.cpp sources vendored in the sdist of the
+# installed llama-cpp-python: the same llama.cpp version as the binding, so native and
+# llamabatch figures compare fairly.
 #
 #   scripts/build_native.sh            # prints the folder holding the binaries
 #   CMAKE_ARGS="-DGGML_CUDA=on" scripts/build_native.sh
@@ -11,9 +12,13 @@ set -euo pipefail
 
 version=$(python -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))")
 dest=${LLAMABATCH_NATIVE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/llamabatch/native/$version}
-tools=(llama-batched-bench llama-server)
+tools=(llama-batched-bench llama-server llama-perplexity llama-lookup llama-speculative)
 
-if [ -x "$dest/bin/llama-batched-bench" ] && [ -x "$dest/bin/llama-server" ]; then
+missing=()
+for tool in "${tools[@]}"; do
+    [ -x "$dest/bin/$tool" ] || missing+=("$tool")
+done
+if [ ${#missing[@]} -eq 0 ]; then
     echo "$dest/bin"
     exit 0
 fi
@@ -28,10 +33,10 @@ src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 # shellcheck disable=SC2086  # CMAKE_ARGS is a list of flags, as pip's build reads it
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF ${CMAKE_ARGS:-} >&2
-cmake --build "$work/build" --target "${tools[@]}" -j "$(nproc)" >&2
+cmake --build "$work/build" --target "${missing[@]}" -j "$(nproc)" >&2
 
 mkdir -p "$dest/bin"
-for tool in "${tools[@]}"; do
+for tool in "${missing[@]}"; do
     cp "$work/build/bin/$tool" "$dest/bin/"
 done
 echo "$dest/bin"

@@ -60,6 +60,29 @@ def test_batch_rows_hold_positions_seq_ids_and_logits_flags(make_engine):
     assert [i for i in range(2 + rest) if batch.logits[i]] == [0, 1] + ([1 + rest] if c_done else [])
 
 
+def test_a_prompt_chunk_cut_to_one_token_asks_for_no_logits(make_engine, tiny_model):
+    """Three sequences decode while a long prompt gets the one token left of n_batch = 4 each
+    step: those one-token chunks are prompt, not a decode, until the prompt's last token."""
+    engine = make_engine(n_parallel=4, n_batch=4, n_ubatch=4)
+    short = engine.submit(["a", "the", "and the"], GREEDY)
+    for _ in range(3):  # the three short prompts are in and decoding
+        engine.step()
+    long_prompt = engine.tokenize_prompt("Once upon a time in a land far away")
+    [seq] = engine.add(long_prompt, GREEDY)
+    one_token_chunks = 0
+    while seq.t_first_token is None:
+        engine.step()
+        rows = engine.batch.seq_ids()
+        if rows.count(seq.seq_id) == 1:
+            one_token_chunks += 1
+            assert bool(engine.batch.logits[rows.index(seq.seq_id)]) == (seq.n_past == len(long_prompt))
+    assert one_token_chunks >= 3 and all(s.n_generated > 0 for s in short)
+    while engine.has_work:
+        engine.step()
+    expected = reference_greedy(tiny_model, [long_prompt], GREEDY.max_tokens, n_ctx=2048, n_batch=512, n_threads=2)
+    assert seq.tokens[len(long_prompt):] == expected[0]
+
+
 def test_engine_matches_a_reference_loop_written_against_llama_cpp(make_engine, tiny_model):
     engine = make_engine(n_parallel=len(PROMPTS), n_batch=256, n_ubatch=256, n_ctx=2048)
     results = engine.generate(PROMPTS, GREEDY)

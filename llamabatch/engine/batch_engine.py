@@ -12,7 +12,7 @@ from .config import EngineConfig
 from ..errors import DecodeError, PromptError
 from .native import Batch, Context, Model, init_backend, use_row_invariant_matmul
 from .results import Event, Result, RunStats
-from .sampling import SamplingParams, build_sampler, token_logprob
+from .sampling import GreedySampler, SamplingParams, build_sampler, token_logprob
 from .scheduler import LONE_ROW_MAX_CELLS, Filler, Scheduler
 from .sequence import Sequence, Status
 
@@ -175,7 +175,10 @@ class BatchEngine:
         finally:
             for filler in fillers:
                 self.ctx.remove_sequence(filler.seq_id, from_pos=filler.pos)
-        events = [event for seq in scheduled for event in self._advance(seq)]
+        due: list[Sequence] = []
+        for seq in scheduled:
+            self._advance(seq, due)
+        events = self._sample(due)
         self._record_step_time(started)
         return events
 
@@ -227,28 +230,54 @@ class BatchEngine:
         self.stats.prompt_tokens_reused += min(seq.n_past, seq.n_prompt)
 
     def _fill_batch(self, scheduled: list[Sequence], fillers: list[Filler]) -> None:
-        """Rows in seq_id order (llama.cpp groups consecutive seq_ids into one micro-batch)."""
-        self.batch.clear()
+        """Rows in seq_id order (llama.cpp groups consecutive seq_ids into one micro-batch). A chunk
+        that ends at its sequence's newest token asks for logits there (its row is seq.i_batch)."""
         rows = sorted([*scheduled, *fillers], key=lambda row: row.seq_id) if fillers else scheduled  # already in order
+        tokens: list[int] = []
+        pos: list[int] = []
+        seq_ids: list[int] = []
+        logits: list[int] = []
+        self._output_row = {}
         for row in rows:
             if isinstance(row, Filler):
-                self.batch.add([0], row.pos, row.seq_id, logits_last=self._filler_logits)
+                tokens.append(0)
+                pos.append(row.pos)
+                seq_ids.append(row.seq_id)
+                logits.append(int(self._filler_logits))
                 continue
-            samples = row.n_chunk == row.n_pending  # the chunk ends at its newest token
-            last = self.batch.add(row.chunk(), row.n_past, row.seq_id, logits_last=samples)
-            row.i_batch = last if samples else -1
+            start, n = row.n_past, row.n_chunk
+            if n == 1:  # most rows are one token (decoding): no slices and ranges for them
+                tokens.append(row.tokens[start])
+                pos.append(start)
+                seq_ids.append(row.seq_id)
+                logits.append(0)
+            else:
+                tokens += row.tokens[start : start + n]
+                pos += range(start, start + n)
+                seq_ids += [row.seq_id] * n
+                logits += [0] * n
+            # Logits only where the chunk ends at the newest token: a prompt chunk cut short by the
+            # budget (even to one token) has more prompt to come.
+            logits[-1] = int(start + n == len(row.tokens))
+            row.i_batch = len(tokens) - 1 if logits[-1] else -1
+            if row.i_batch >= 0:
+                self._output_row[row.i_batch] = len(self._output_row)
+        if self._filler_logits and fillers:  # filler outputs take rows too
+            self._output_row = {i: k for k, i in enumerate(i for i, flag in enumerate(logits) if flag)}
+        self.batch.set(tokens, pos, seq_ids, logits)
 
-    def _advance(self, seq: Sequence) -> Iterator[Event]:
+    def _advance(self, seq: Sequence, due: list[Sequence]) -> None:
         """The decode took the chunk into the KV cache: hand the prefix to followers that wait for
-        exactly this much of it, then sample if the sequence is due a token."""
+        exactly this much of it; each sequence now due a token joins `due` (followers first)."""
         self.stats.prompt_tokens_evaluated += max(0, min(seq.n_chunk, seq.n_prompt - seq.n_past))
         seq.n_past += seq.n_chunk
-        for follower in [f for f in seq.followers if f.n_shared == seq.n_past]:
-            yield from self._share_prefix(seq, follower)
+        if seq.followers:
+            for follower in [f for f in seq.followers if f.n_shared == seq.n_past]:
+                self._share_prefix(seq, follower, due)
         if seq.i_batch >= 0:
-            yield self._sample(seq)
+            due.append(seq)
 
-    def _share_prefix(self, leader: Sequence, follower: Sequence) -> Iterator[Event]:
+    def _share_prefix(self, leader: Sequence, follower: Sequence, due: list[Sequence]) -> None:
         self.ctx.copy_prefix(leader.seq_id, follower.seq_id, follower.n_shared)
         leader.followers.remove(follower)
         follower.leader = None
@@ -256,17 +285,30 @@ class BatchEngine:
         follower.n_past = follower.n_shared
         if follower.n_pending == 0:  # the whole prompt is shared: sample from the leader's logits
             follower.i_batch = leader.i_batch
-            yield self._sample(follower)
+            due.append(follower)
         # The follower may have jumped past what its own followers wait for: they copy from it now.
         for waiting in [f for f in follower.followers if f.n_shared <= follower.n_past]:
-            yield from self._share_prefix(follower, waiting)
+            self._share_prefix(follower, waiting, due)
 
-    def _sample(self, seq: Sequence) -> Event:
-        token = seq.sampler.sample(self.ctx, seq.i_batch)
+    def _sample(self, due: list[Sequence]) -> list[Event]:
+        """Each due sequence's next token from its row of this step's logits: greedy ones from one
+        argmax over all rows, the others through their own sampler chains."""
+        if not due:
+            return []
+        logits = self.ctx.output_logits(self.batch.n_outputs, self.vocab.n_vocab)
+        best = logits.argmax(axis=1) if any(isinstance(s.sampler, GreedySampler) for s in due) else None
+        events = []
+        for seq in due:
+            row = self._output_row[seq.i_batch]
+            token = int(best[row]) if isinstance(seq.sampler, GreedySampler) else seq.sampler.sample(self.ctx, seq.i_batch)
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(token_logprob(logits[row], token, seq.params.logprobs))
+            events.append(self._accept(seq, token))
+        return events
+
+    def _accept(self, seq: Sequence, token: int) -> Event:
+        """Append the sampled token; finish the sequence if it ends here."""
         seq.tokens.append(token)
-        if seq.params.logprobs is not None:
-            logits = self.ctx.logits(seq.i_batch, self.vocab.n_vocab)
-            seq.logprobs.append(token_logprob(logits, token, seq.params.logprobs))
         self.stats.completion_tokens += 1
         if seq.t_first_token is None:
             seq.t_first_token = time.perf_counter()

@@ -125,6 +125,7 @@ class Vocab:
         self._handle = handle
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(handle)
         self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         data = text.encode()
@@ -152,7 +153,11 @@ class Vocab:
         return b"".join(self.piece(t) for t in tokens).decode(errors="replace")
 
     def is_eog(self, token: int) -> bool:
-        return llama_cpp.llama_vocab_is_eog(self._handle, token)
+        """Whether the token ends generation (EOS, EOT, ...). Cached, as pieces are."""
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = llama_cpp.llama_vocab_is_eog(self._handle, token)
+        return eog
 
 
 class Model(_Owner):
@@ -260,6 +265,7 @@ class Context(_Owner):
         self.n_batch = llama_cpp.llama_n_batch(handle)  # llama.cpp caps it at n_ctx
         self.kv_unified = kv_unified
         self.n_swa = llama_cpp.llama_model_n_swa(model.handle)
+        self._logits_views: dict[tuple[int, int], np.ndarray] = {}
         # The bytes llama.cpp allocated for the KV cache (all its caches), as it reports them.
         self.kv_bytes = round(sum(float(m[1]) for m in re.finditer(r"KV buffer size = +([\d.]+) MiB", "\n".join(log))) * 2**20)
 
@@ -276,6 +282,18 @@ class Context(_Owner):
     def logits(self, row: int, n_vocab: int) -> np.ndarray:
         """The logits of batch row `row` from the last decode (a view, valid until the next one)."""
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.handle, row), shape=(n_vocab,))
+
+    def output_logits(self, n_outputs: int, n_vocab: int) -> np.ndarray:
+        """The last decode's logits, one row per batch row that asked for them, in batch order
+        (llama.cpp puts its outputs back in that order first): a view, valid until the next decode.
+        Views are kept per (address, rows): llama.cpp reuses its buffer, and building a view costs
+        more than a small model's whole sampling step."""
+        address = ctypes.addressof(llama_cpp.llama_get_logits(self.handle).contents)
+        view = self._logits_views.get((address, n_outputs))
+        if view is None:
+            rows = (ctypes.c_float * (n_outputs * n_vocab)).from_address(address)
+            view = self._logits_views[address, n_outputs] = np.frombuffer(rows, np.float32).reshape(n_outputs, n_vocab)
+        return view
 
     def remove_sequence(self, seq_id: int, from_pos: int = 0) -> None:
         """Free a sequence's KV cells at positions >= from_pos (all of them by default)."""
@@ -301,7 +319,10 @@ class Context(_Owner):
 
 
 class Batch(_Owner):
-    """A llama_batch of token ids, filled through numpy views of its C arrays."""
+    """A llama_batch written through numpy views of its C arrays: a step fills every row with a
+    few slice assignments. Each row's seq_id pointer is aimed at our own contiguous array (one
+    sequence per row), so seq_ids are one slice too; llama_batch_init's own per-row arrays are
+    put back before llama_batch_free frees them."""
 
     kind = "batch"
 
@@ -313,12 +334,15 @@ class Batch(_Owner):
         self.pos = np.ctypeslib.as_array(struct.pos, shape=(capacity,))
         self.logits = np.ctypeslib.as_array(struct.logits, shape=(capacity,))
         np.ctypeslib.as_array(struct.n_seq_id, shape=(capacity,))[:] = 1
-        # Each row's seq_id lives in its own malloc'd array; remember what each row holds
-        # so a decode step whose rows keep their sequences writes none of them.
-        self._row_seq = np.full(capacity, -1, dtype=np.int64)
+        self.seq_id = np.zeros(capacity, dtype=np.int32)
+        self._row_pointers = np.ctypeslib.as_array(ctypes.cast(struct.seq_id, ctypes.POINTER(ctypes.c_size_t)), shape=(capacity,))
+        self._malloced = self._row_pointers.copy()
+        self._row_pointers[:] = self.seq_id.ctypes.data + self.seq_id.itemsize * np.arange(capacity, dtype=np.uint64)
         self.n_tokens = 0
+        self.n_outputs = 0
 
     def _free(self, struct) -> None:
+        self._row_pointers[:] = self._malloced  # llama_batch_free frees what llama_batch_init allocated
         llama_cpp.llama_batch_free(struct)
 
     @property
@@ -327,28 +351,19 @@ class Batch(_Owner):
         struct.n_tokens = self.n_tokens
         return struct
 
-    def clear(self) -> None:
-        self.n_tokens = 0
-
-    def add(self, tokens: list[int], pos0: int, seq_id: int, logits_last: bool) -> int:
-        """Append a run of one sequence's tokens at positions pos0...; return the last row."""
-        start, end = self.n_tokens, self.n_tokens + len(tokens)
-        if end > self.capacity:
-            raise ValueError(f"batch overflow: {end} tokens > capacity {self.capacity}")
-        self.token[start:end] = tokens
-        self.pos[start:end] = np.arange(pos0, pos0 + len(tokens))
-        self.logits[start:end] = 0
-        self.logits[end - 1] = logits_last
-        stale = np.flatnonzero(self._row_seq[start:end] != seq_id)
-        if stale.size:
-            rows = self.handle.seq_id
-            for i in stale + start:
-                rows[i][0] = seq_id
-            self._row_seq[start:end] = seq_id
-        self.n_tokens = end
-        return end - 1
+    def set(self, tokens: list[int], pos: list[int], seq_ids: list[int], logits: list[int]) -> None:
+        """Make the batch these rows: token, position, seq_id and logits flag (1 = keep its logits)."""
+        n = len(tokens)
+        if n > self.capacity:
+            raise ValueError(f"batch overflow: {n} tokens > capacity {self.capacity}")
+        self.token[:n] = tokens
+        self.pos[:n] = pos
+        self.seq_id[:n] = seq_ids
+        self.logits[:n] = logits
+        self.n_tokens, self.n_outputs = n, logits.count(1)
 
     def seq_ids(self) -> list[int]:
+        """Each row's seq_id as llama.cpp reads it, through the row's pointer."""
         rows = self.handle.seq_id
         return [rows[i][0] for i in range(self.n_tokens)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -96,9 +97,10 @@ class Scheduler:
 
     def schedule(self) -> list[Sequence]:
         """The sequences for the next batch, each with n_chunk set; decoders first, then prefill."""
-        ready = [s for s in self.running if s.leader is None]
-        generating = [s for s in ready if not s.is_prefilling]
-        prefilling = [s for s in ready if s.is_prefilling]
+        generating, prefilling = [], []
+        for seq in self.running:  # one pass, no properties: this runs every step
+            if seq.leader is None:
+                (prefilling if len(seq.tokens) - seq.n_past > 1 else generating).append(seq)
         if self.batch_invariant:
             return self._isolated(generating, prefilling)
         budget = self.n_batch - len(generating)
@@ -112,7 +114,7 @@ class Scheduler:
             seq.n_chunk = min(seq.n_pending, budget, cap - seq.n_past if cap else budget)
             budget -= seq.n_chunk
             scheduled.append(seq)
-        return sorted(scheduled, key=lambda s: s.seq_id)  # rows in seq_id order: see _take_slot
+        return sorted(scheduled, key=_by_seq_id)  # rows in seq_id order: see _take_slot
 
     def _isolated(self, generating: list[Sequence], prefilling: list[Sequence]) -> list[Sequence]:
         """One prompt's prefill alone, in the chunks a solo run uses; or every decode. As in a
@@ -125,7 +127,7 @@ class Scheduler:
         self._prefilled_since_decode = 0
         for seq in generating:
             seq.n_chunk = 1
-        return sorted(generating, key=lambda s: s.seq_id)
+        return sorted(generating, key=_by_seq_id)
 
     def fillers(self, rows: list[Sequence]) -> list[Filler]:
         """Deterministic mode: a filler beside each one-token row whose sequence holds more than
@@ -222,6 +224,9 @@ class Scheduler:
         if best is not None:
             seq.leader, seq.n_shared = best, n_best
             best.followers.append(seq)
+
+
+_by_seq_id = operator.attrgetter("seq_id")
 
 
 def _worth_sharing(seq: Sequence) -> int:

@@ -11,40 +11,49 @@ class TextStream:
     A delta never ends inside a UTF-8 character (bytes of a split character wait for
     the rest), and never shows text that might turn out to be the start of a stop
     string. When a stop string appears, the text is cut just before it.
+
+    A push costs its own piece, not the text so far: shown deltas are kept as a list, and
+    only the unshown tail (which may begin a stop string) is searched.
     """
 
     def __init__(self, stop: tuple[str, ...] = ()) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = stop
-        self.text = ""
+        self._shown: list[str] = []
+        self._pending = ""  # decoded but not shown: it could begin a stop string
         self.stopped = False
-        self._shown = 0  # length of self.text already handed out
+
+    @property
+    def text(self) -> str:
+        """All the text so far, cut at a stop string (held-back text included)."""
+        if len(self._shown) > 1:
+            self._shown[:] = ["".join(self._shown)]
+        return (self._shown[0] if self._shown else "") + self._pending
 
     def push(self, piece: bytes) -> str:
         """Add one token's bytes; return the newly shown text (maybe empty)."""
-        self.text += self._decoder.decode(piece)
-        if self._cut_at_stop():
-            return self._flush()
-        return self._take(len(self.text) - self._held_back())
+        new = self._decoder.decode(piece)
+        if not self._stop:
+            return self._show(new)
+        pending = self._pending + new
+        # A stop can only start in the unshown tail: shown text never holds a stop prefix.
+        hits = [i for i in (pending.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._pending = ""
+            return self._show(pending[: min(hits)])
+        keep = self._held_back(pending)
+        self._pending = pending[len(pending) - keep :]
+        return self._show(pending[: len(pending) - keep])
 
     def finish(self) -> str:
         """The sequence ended: show whatever was held back (a dangling byte shows as U+FFFD)."""
-        if not self.stopped:
-            self.text += self._decoder.decode(b"", final=True)
-        return self._flush()
+        tail = self._pending if self.stopped else self._pending + self._decoder.decode(b"", final=True)
+        self._pending = ""
+        return self._show(tail)
 
-    def _cut_at_stop(self) -> bool:
-        # A stop can only start in the not-yet-shown tail: shown text never holds a stop prefix.
-        hits = [i for i in (self.text.find(s, self._shown) for s in self._stop) if i >= 0]
-        if not hits:
-            return False
-        self.text = self.text[: min(hits)]
-        self.stopped = True
-        return True
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that could begin a stop string."""
-        tail = self.text[self._shown :]
+    def _held_back(self, tail: str) -> int:
+        """Length of the longest end of `tail` that could begin a stop string."""
         longest = 0
         for stop in self._stop:
             for n in range(min(len(stop) - 1, len(tail)), longest, -1):
@@ -53,10 +62,7 @@ class TextStream:
                     break
         return longest
 
-    def _take(self, end: int) -> str:
-        delta = self.text[self._shown : end]
-        self._shown = end
+    def _show(self, delta: str) -> str:
+        if delta:
+            self._shown.append(delta)
         return delta
-
-    def _flush(self) -> str:
-        return self._take(len(self.text))
