@@ -162,7 +162,7 @@ class BatchEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        fillers = self.scheduler.fillers(scheduled)
+        fillers = self.scheduler.fillers(scheduled) if self.config.deterministic else []
         self._fill_batch(scheduled, fillers)
         self.stats.decode_calls += 1
         self.stats.sequence_slots += len(scheduled)
@@ -179,7 +179,10 @@ class BatchEngine:
         for seq in scheduled:
             self._advance(seq, due)
         events = self._sample(due)
-        self._record_step_time(started)
+        stats = self.stats
+        if stats.first_step_at is None:
+            stats.first_step_at = started
+        stats.last_step_at = time.perf_counter()
         return events
 
     def run(self) -> Iterator[Event]:
@@ -357,11 +360,6 @@ class BatchEngine:
         self.ctx.remove_sequence(seq.seq_id)
         seq.n_past = 0  # its slot keeps nothing
         return [self._finish(seq, None, "", "length", "KV cache full: the sequence does not fit even alone")]
-
-    def _record_step_time(self, started: float) -> None:
-        if self.stats.first_step_at is None:
-            self.stats.first_step_at = started
-        self.stats.last_step_at = time.perf_counter()
 
     # -- lifetime ----------------------------------------------------------------------
 

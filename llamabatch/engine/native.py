@@ -356,10 +356,13 @@ class Batch(_Owner):
         n = len(tokens)
         if n > self.capacity:
             raise ValueError(f"batch overflow: {n} tokens > capacity {self.capacity}")
-        self.token[:n] = tokens
-        self.pos[:n] = pos
-        self.seq_id[:n] = seq_ids
-        self.logits[:n] = logits
+        if n == 1:  # one sequence decoding: scalar writes cost a quarter of slice writes
+            self.token[0], self.pos[0], self.seq_id[0], self.logits[0] = tokens[0], pos[0], seq_ids[0], logits[0]
+        else:
+            self.token[:n] = tokens
+            self.pos[:n] = pos
+            self.seq_id[:n] = seq_ids
+            self.logits[:n] = logits
         self.n_tokens, self.n_outputs = n, logits.count(1)
 
     def seq_ids(self) -> list[int]:

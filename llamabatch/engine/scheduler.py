@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import heapq
 import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .sequence import Sequence, Status, common_prefix
+from .prefix_index import PrefixIndex
+from .sequence import Sequence, Status
 
 # Shorter shared prefixes are decoded again: waiting for a leader and pausing its prefill at
 # the shared length, or giving up another slot's cache, costs more than a few tokens of prefill.
@@ -29,7 +31,7 @@ class Filler:
     pos: int
 
 
-@dataclass
+@dataclass(eq=False)
 class Slot:
     """One seq_id. A free slot keeps the KV of its last sequence, for a later prompt that starts alike."""
 
@@ -67,8 +69,13 @@ class Scheduler:
         self._prefilled_since_decode = 0  # prompt tokens; deterministic mode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._free: list[Slot] = [Slot(i) for i in range(n_slots)]
+        self._free: dict[int, Slot] = {i: Slot(i) for i in range(n_slots)}  # seq_id -> free slot
+        self._free_ids = list(range(n_slots))  # a heap of free seq_ids (and some taken since: skipped)
         self._slots: dict[int, Slot] = {}  # seq_id -> slot of each running sequence
+        # Who holds which prefix, looked up without a scan: free slots' cached KV, and running
+        # sequences that have not sampled yet (once decoding, they hold their whole prompt and lead no one).
+        self._cached: PrefixIndex[Slot] = PrefixIndex(lambda slot: slot.cached)
+        self._leaders: PrefixIndex[Sequence] = PrefixIndex(lambda seq: seq.tokens)
         # After the KV cache ran full, admitting more would only fill it again: wait until
         # a running sequence finishes and frees its cells.
         self._kv_full = False
@@ -99,8 +106,13 @@ class Scheduler:
         """The sequences for the next batch, each with n_chunk set; decoders first, then prefill."""
         generating, prefilling = [], []
         for seq in self.running:  # one pass, no properties: this runs every step
-            if seq.leader is None:
-                (prefilling if len(seq.tokens) - seq.n_past > 1 else generating).append(seq)
+            if len(seq.tokens) - seq.n_past > 1:
+                if seq.leader is None:
+                    prefilling.append(seq)
+            elif seq.leader is None:
+                generating.append(seq)
+                if seq in self._leaders:  # its prompt is in: it can no longer lead
+                    self._leaders.remove(seq)
         if self.batch_invariant:
             return self._isolated(generating, prefilling)
         budget = self.n_batch - len(generating)
@@ -152,10 +164,8 @@ class Scheduler:
         for seq in self.running:
             if seq.seq_id == seq_id:
                 return seq.n_past
-        for slot in self._free:
-            if slot.seq_id == seq_id:
-                return len(slot.cached)
-        return 0  # a stream beyond the slots is always empty
+        slot = self._free.get(seq_id)
+        return len(slot.cached) if slot is not None else 0  # a stream beyond the slots is always empty
 
     def release(self, seq: Sequence) -> None:
         """A sequence finished (or was cancelled while waiting); a running one's slot keeps its KV
@@ -164,43 +174,59 @@ class Scheduler:
             self.waiting.remove(seq)
         else:
             cached = seq.tokens[: seq.n_past] if self.share_prefixes else []  # the engine frees unshared KV
-            self._free.append(self._give_back_slot(seq, cached=cached))
+            self._free_slot(self._give_back_slot(seq), cached)
         seq.status = Status.FINISHED
         self._kv_full = False
 
     def preempt(self, seq: Sequence) -> None:
         """Take a running sequence's slot (its KV already freed); it re-enters first and re-prefills."""
-        self._free.append(self._give_back_slot(seq, cached=[]))
+        self._free_slot(self._give_back_slot(seq), cached=[])
         seq.n_past, seq.status = 0, Status.WAITING
         self.waiting.appendleft(seq)
         self._kv_full = True
 
     @property
     def has_cached_prefixes(self) -> bool:
-        return any(slot.cached for slot in self._free)
+        return len(self._cached) > 0
 
     def evict_cached(self) -> list[int]:
         """Forget every free slot's cached KV (the KV cache is full); returns their seq_ids to clear."""
-        evicted = [slot.seq_id for slot in self._free if slot.cached]
-        for slot in self._free:
+        evicted = [slot.seq_id for slot in self._free.values() if slot.cached]
+        for slot in self._free.values():
             slot.cached = []
+        self._cached.clear()
         return evicted
 
     def _take_slot(self, seq: Sequence) -> tuple[Slot, int]:
         """The free slot whose cache shares the longest prefix with seq, and that prefix's length;
         without one worth keeping, the lowest seq_id. With a per-sequence KV cache llama.cpp puts
         only consecutive seq_ids in one ubatch, so dense low ids keep a step to one graph."""
-        best, n_best = min(self._free, key=lambda slot: slot.seq_id), 0
-        for slot in self._free if self.share_prefixes else ():
-            n = common_prefix(slot.cached, seq.tokens)
-            if n >= _worth_sharing(seq) and n > n_best:
+        best, n_best = None, 0
+        if self.share_prefixes:
+            n, slot = next(self._cached.matches(seq.tokens), (0, None))
+            if n >= _worth_sharing(seq):
                 best, n_best = slot, n
-        self._free.remove(best)
+        if best is None:
+            while self._free_ids[0] not in self._free:  # taken by a prefix match since it was freed
+                heapq.heappop(self._free_ids)
+            best = self._free[heapq.heappop(self._free_ids)]
+        del self._free[best.seq_id]
+        self._cached.remove(best)
         self._slots[best.seq_id] = best
         return best, n_best
 
-    def _give_back_slot(self, seq: Sequence, cached: list[int]) -> Slot:
+    def _free_slot(self, slot: Slot, cached: list[int]) -> None:
+        slot.cached = cached
+        self._free[slot.seq_id] = slot
+        heapq.heappush(self._free_ids, slot.seq_id)
+        if len(self._free_ids) > 2 * (len(self._free) + len(self._slots)):  # stale ids: start again
+            self._free_ids = sorted(self._free)
+        if cached:
+            self._cached.add(slot)
+
+    def _give_back_slot(self, seq: Sequence) -> Slot:
         self.running.remove(seq)
+        self._leaders.remove(seq)
         if seq.leader is not None:  # it never got its prefix
             seq.leader.followers.remove(seq)
             seq.leader = None
@@ -208,22 +234,22 @@ class Scheduler:
             follower.leader = None
         seq.followers = []
         slot = self._slots.pop(seq.seq_id)
-        slot.cached = cached
         seq.seq_id = -1
         return slot
 
     def _follow_a_leader(self, seq: Sequence) -> None:
-        """Follow the running sequence still prefilling the longest prefix this one shares."""
-        best, n_best = None, max(seq.n_past, 0)
-        for other in self.running:
-            n = common_prefix(other.tokens, seq.tokens)
+        """Follow the running sequence still prefilling the longest prefix this one shares, then
+        become a possible leader for later ones."""
+        n_best = max(seq.n_past, 0)
+        for n, other in self._leaders.matches(seq.tokens):
             if n == len(seq.tokens) and len(other.tokens) > n:
                 n -= 1  # it must sample from the leader's logits, which exist only at its newest token
             if n > n_best and n > other.n_past and n >= _worth_sharing(seq):
-                best, n_best = other, n
-        if best is not None:
-            seq.leader, seq.n_shared = best, n_best
-            best.followers.append(seq)
+                seq.leader, seq.n_shared = other, n
+                other.followers.append(seq)
+                break
+        if seq.n_generated == 0:  # until it samples, a prompt others can wait for
+            self._leaders.add(seq)
 
 
 _by_seq_id = operator.attrgetter("seq_id")
