@@ -162,27 +162,17 @@ class BatchEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        fillers = self.scheduler.fillers(scheduled) if self.config.deterministic else []
-        self._fill_batch(scheduled, fillers)
-        self.stats.decode_calls += 1
-        self.stats.sequence_slots += len(scheduled)
         try:
-            self.ctx.decode(self.batch)
+            self._decode(scheduled)
         except DecodeError as e:
             if e.code != KV_FULL:
                 raise
             return self._recover_kv_full(scheduled)
-        finally:
-            for filler in fillers:
-                self.ctx.remove_sequence(filler.seq_id, from_pos=filler.pos)
         due: list[Sequence] = []
         for seq in scheduled:
             self._advance(seq, due)
         events = self._sample(due)
-        stats = self.stats
-        if stats.first_step_at is None:
-            stats.first_step_at = started
-        stats.last_step_at = time.perf_counter()
+        self.stats.record_step(started, time.perf_counter())
         return events
 
     def run(self) -> Iterator[Event]:
@@ -231,6 +221,18 @@ class BatchEngine:
         seq.n_past = self.ctx.reusable(seq.seq_id, seq.n_past)
         self.ctx.remove_sequence(seq.seq_id, from_pos=seq.n_past)
         self.stats.prompt_tokens_reused += min(seq.n_past, seq.n_prompt)
+
+    def _decode(self, scheduled: list[Sequence]) -> None:
+        """One batch of the scheduled sequences' chunks (and deterministic fillers), one decode."""
+        fillers = self.scheduler.fillers(scheduled) if self.config.deterministic else []
+        self._fill_batch(scheduled, fillers)
+        self.stats.decode_calls += 1
+        self.stats.sequence_slots += len(scheduled)
+        try:
+            self.ctx.decode(self.batch)
+        finally:
+            for filler in fillers:
+                self.ctx.remove_sequence(filler.seq_id, from_pos=filler.pos)
 
     def _fill_batch(self, scheduled: list[Sequence], fillers: list[Filler]) -> None:
         """Rows in seq_id order (llama.cpp groups consecutive seq_ids into one micro-batch). A chunk

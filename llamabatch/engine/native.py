@@ -279,10 +279,6 @@ class Context(_Owner):
         if code != 0:
             raise DecodeError(code)
 
-    def logits(self, row: int, n_vocab: int) -> np.ndarray:
-        """The logits of batch row `row` from the last decode (a view, valid until the next one)."""
-        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.handle, row), shape=(n_vocab,))
-
     def output_logits(self, n_outputs: int, n_vocab: int) -> np.ndarray:
         """The last decode's logits, one row per batch row that asked for them, in batch order
         (llama.cpp puts its outputs back in that order first): a view, valid until the next decode.

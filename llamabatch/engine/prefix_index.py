@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 BLOCK = 8  # keys every BLOCK tokens; matches up to BLOCK - 1 tokens past a key are found by comparison
-MAX_EXTENDED = 8  # candidates compared past their deepest key; a few suffice, and it bounds the cost
+MAX_EXTENDED = 8  # holders a lookup compares, deepest keys first: a few suffice, and it bounds the cost
 
 H = TypeVar("H")
 
@@ -62,24 +62,27 @@ class PrefixIndex(Generic[H]):
         self._keys.clear()
 
     def matches(self, tokens: list[int]) -> Iterator[tuple[int, H]]:
-        """(shared length, holder) pairs, longest shares first; each holder once."""
+        """(shared length, holder) pairs, longest shares first; each holder once, and at most
+        MAX_EXTENDED of them, so a lookup costs the same however many holders share a prefix."""
         found: list[tuple[int, dict[H, None]]] = []
         for k, key in prefix_keys(tokens):
             holders = self._holders.get(key)
             if holders is None:
                 break
             found.append((k, holders))
-        seen: set[int] = set()
+        seen: set[H] = set()
         for depth, holders in reversed(found):
             ranked = []
             for holder in holders:
-                if id(holder) in seen:
-                    continue
-                seen.add(id(holder))
-                if len(ranked) < MAX_EXTENDED:
+                if len(seen) == MAX_EXTENDED:
+                    break
+                if holder not in seen:
+                    seen.add(holder)
                     ranked.append((self._shared(tokens, holder, depth), holder))
             ranked.sort(key=lambda pair: -pair[0])  # stable: ties keep insertion order
             yield from ranked
+            if len(seen) == MAX_EXTENDED:
+                return
 
     def _shared(self, tokens: list[int], holder: H, depth: int) -> int:
         """The exact shared length with a holder filed under tokens[:depth]; 0 if a hash lied."""

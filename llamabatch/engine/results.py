@@ -68,6 +68,11 @@ class RunStats:
     first_step_at: float | None = None
     last_step_at: float | None = None
 
+    def record_step(self, started: float, ended: float) -> None:
+        if self.first_step_at is None:
+            self.first_step_at = started
+        self.last_step_at = ended
+
     @property
     def wall_s(self) -> float:
         if self.first_step_at is None or self.last_step_at is None:

@@ -8,7 +8,7 @@ import llama_cpp
 import numpy as np
 
 from ..errors import SamplingError
-from .native import Context, SamplerChain
+from .native import SamplerChain
 from .results import TokenLogprob
 
 MAX_SEED = 2**32 - 2  # 2**32 - 1 is llama.cpp's "pick a random seed"
@@ -81,18 +81,10 @@ class SamplingParams:
 
 
 class GreedySampler:
-    """Argmax over one row of logits, for greedy sampling without penalties.
-
-    Same choice as llama.cpp's greedy sampler (the first highest logit), about ten times
-    cheaper: the chain copies every logit into a candidate array first, which for a
-    262k-token vocabulary costs ~0.5 ms per sequence per step.
-    """
-
-    def __init__(self, n_vocab: int) -> None:
-        self.n_vocab = n_vocab
-
-    def sample(self, ctx: Context, row: int) -> int:
-        return int(ctx.logits(row, self.n_vocab).argmax())
+    """Greedy sampling without penalties, done by the engine: one argmax over every such row of
+    a step's logits. Same choice as llama.cpp's greedy sampler (the first highest logit), and far
+    cheaper: a chain copies every logit into a candidate array first, which for a 262k-token
+    vocabulary costs ~0.5 ms per sequence per step."""
 
     def close(self) -> None:
         pass  # owns nothing native
@@ -102,7 +94,7 @@ def build_sampler(params: SamplingParams, n_vocab: int, n_ctx: int) -> GreedySam
     """Plain greedy gets an argmax; anything else the chain llama.cpp's own tools use:
     penalties, then truncation, temperature, and a seeded draw."""
     if params.temperature == 0 and not params.uses_penalties:
-        return GreedySampler(n_vocab)
+        return GreedySampler()
     chain = SamplerChain()
     if params.uses_penalties:
         # The native sampler reads -1 as 0 (off); "whole context" is ours to spell out.
