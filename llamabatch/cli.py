@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import math
 import shlex
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
@@ -264,6 +266,62 @@ def _command_line(context: typer.Context, drop: set[str]) -> str:
             for v in value if param.multiple else [value]:
                 words += [param.opts[0], str(v)]
     return shlex.join(words)
+
+
+@command
+def score(
+    items: Annotated[Optional[Path], typer.Argument(help='JSON Lines: {"context", "continuation"} pairs or {"text"} texts.')] = None,
+    text: Annotated[Optional[Path], typer.Option("--text", help="Score this whole file as one text instead.")] = None,
+    chunk: Annotated[Optional[int], typer.Option(help="Score texts in windows of N tokens, BOS first, second half scored (llama-perplexity's way).")] = None,
+    bos: Annotated[bool, typer.Option("--bos/--no-bos", help="Start every text and context with the BOS token.")] = True,
+    model: ModelOpt = None,
+    config: CatalogOpt = None,
+    parallel: Annotated[Optional[int], typer.Option("--parallel", "-np", help="Sequences decoded together (slots).")] = None,
+    ctx: CtxOpt = None,
+    batch_size: BatchOpt = None,
+    ubatch_size: UbatchOpt = None,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    json_out: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Log-likelihoods and perplexity: each continuation given its context, or whole texts."""
+    from .jobs.prompts import read_score_items
+
+    if (items is None) == (text is None):
+        raise LlamabatchError("give ITEMS (a JSON Lines file) or --text FILE, not both")
+    if text is not None and not text.is_file():
+        raise LlamabatchError(f"text file not found: {text}")
+    if chunk is not None and chunk < 4:
+        raise LlamabatchError(f"--chunk must be at least 4 tokens, got {chunk}")
+    scored = [text.read_text(errors="replace")] if text is not None else read_score_items(items)
+    with BatchEngine(
+        model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
+        n_threads=threads, gpu_layers=gpu_layers, verbose=verbose,
+    ) as engine:
+        started = time.perf_counter()
+        scores = engine.score(scored, bos=bos, chunk=chunk)
+        wall = time.perf_counter() - started
+        evaluated = engine.stats.prompt_tokens_evaluated
+    n_tokens = sum(s.n_tokens for s in scores)
+    total = sum(s.logprob for s in scores)
+    summary = {
+        "model": engine.model_name, "items": len(scores), "failed": sum(s.error is not None for s in scores),
+        "scored_tokens": n_tokens, "tokens_evaluated": evaluated, "greedy": sum(s.greedy for s in scores),
+        "perplexity": round(math.exp(-total / n_tokens), 6) if n_tokens else None,
+        "wall_s": round(wall, 3), "scored_tokens_per_s": round(n_tokens / wall, 2) if wall else None,
+    }
+    if json_out:
+        for s in scores:
+            display.json_line({k: v for k, v in s.to_dict().items() if v is not None or k != "error"})
+        display.json_line({"summary": summary})
+    else:
+        for s in scores:
+            if s.error:
+                display.error_line(f"item {s.index}: {s.error}")
+        display.summary(summary)
+    if any(s.error for s in scores):
+        raise typer.Exit(1)
 
 
 @command

@@ -6,71 +6,171 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, replace
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from annotated_types import Ge, Gt, Le
+from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictStr, ValidationError, field_validator
 
 from .engine import BatchEngine, SamplingParams, Sequence
 from .engine.native import Vocab
-from .errors import LlamabatchError, PromptError
+from .engine.sampling import MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED
+from .errors import LlamabatchError
+
+
+def _json_integer(value):
+    """An integer as JSON Schema means it (1.0 counts), never a boolean or a string."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError("Input should be an integer")
+    return int(value)
+
+
+def _json_number(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("Input should be a number")
+    return value
+
+
+def integer(ge: int | None = None, le: int | None = None):
+    """A JSON integer field within bounds. What the OpenAPI document says is what is accepted:
+    pydantic's lax mode would also take false for 0 and "12" for 12, which the document does not
+    allow. (The bounds go inside the type, before the validator, to reach the document.)"""
+    return Annotated[int, *_bounds(Ge, ge, Le, le), BeforeValidator(_json_integer)]
+
+
+def number(ge: float | None = None, le: float | None = None, gt: float | None = None):
+    """A JSON number field within bounds (see integer)."""
+    return Annotated[float, *_bounds(Ge, ge, Le, le, Gt, gt), BeforeValidator(_json_number)]
+
+
+def _bounds(*pairs) -> list:
+    return [kind(value) for kind, value in zip(pairs[::2], pairs[1::2]) if value is not None]
+
+
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+# Token ids: the served model's vocabulary size and context bound them; the server writes those
+# bounds into its OpenAPI document in place of these markers.
+TokenId = Annotated[integer(ge=0), Field(json_schema_extra={"x-token-id": True})]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, json_schema_extra={"x-token-ids": True})]
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False  # a last chunk with the usage of the whole request
 
 
 class SamplingFields(BaseModel):
-    """OpenAI's sampling fields (their defaults), plus llama.cpp's top_k and min_p."""
+    """OpenAI's sampling fields (their defaults), llama.cpp's top_k and min_p, vLLM's
+    prompt_logprobs. The ranges are declared, so the OpenAPI document says what is accepted."""
 
-    model: str | None = None
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    n: int = 1
-    ignore_eos: bool = False
+    model: StrictStr | None = None
+    max_tokens: integer(ge=0) = 16
+    temperature: number(ge=0) = 1.0
+    top_p: number(gt=0, le=1) = 1.0
+    top_k: integer(ge=0) = 0
+    min_p: number(ge=0, le=1) = 0.0
+    seed: integer(ge=0, le=MAX_SEED) | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    presence_penalty: number(ge=-2, le=2) = 0.0
+    frequency_penalty: number(ge=-2, le=2) = 0.0
+    n: integer(ge=1, le=MAX_SAMPLES) = 1
+    ignore_eos: StrictBool = False
+    prompt_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # vLLM: each prompt token's, with alternatives
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
 
     def params(self) -> SamplingParams:
         """The engine's SamplingParams; raises SamplingError naming a value out of range."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        fields = self.model_dump(exclude={"model", "stop"} | set(self._extra_fields()))
-        return SamplingParams(**fields, stop=tuple(stop), logprobs=self.logprob_count())
+        fields = self.model_dump(include=_ENGINE_FIELDS)
+        return SamplingParams(
+            **fields, max_tokens=self.token_limit(), stop=tuple(stop), logprobs=self.logprob_count(),
+            prompt_logprobs=self.prompt_logprob_count(),
+        )
+
+    def token_limit(self) -> int:
+        return self.max_tokens
 
     def logprob_count(self) -> int | None:
         return None
 
-    def _extra_fields(self) -> set[str]:
-        return set(type(self).model_fields) - set(SamplingFields.model_fields)
+    def prompt_logprob_count(self) -> int | None:
+        return self.prompt_logprobs
+
+    def shown(self) -> Shown:
+        return Shown(prompt_logprobs=self.prompt_logprobs, usage_chunk=bool(self.stream_options and self.stream_options.include_usage))
+
+
+_ENGINE_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "n", "ignore_eos"}
+
+
+@dataclass(frozen=True)
+class Shown:
+    """What a response shows besides the generated text, as the request asked."""
+
+    echo: bool = False  # completions: the prompt before the text, and in the log-probabilities
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
+    usage_chunk: bool = False  # streams: a last chunk with the usage
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    stream: bool = False
-    logprobs: int | None = None  # the sampled token's log-probability and this many alternatives
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    echo: StrictBool = False  # the prompt before the completion, and its log-probabilities (first: null) with logprobs
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # each token's log-probability and this many alternatives
 
     def logprob_count(self) -> int | None:
         return self.logprobs
 
+    def prompt_logprob_count(self) -> int | None:
+        counts = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(counts, default=None)
+
+    def shown(self) -> Shown:
+        return replace(super().shown(), echo=self.echo)
+
     def prompts(self) -> list[str | list[int]]:
         """OpenAI's prompt: a string, a list of strings, a list of token ids, or a list of those."""
         prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
             return [prompt]
-        if not prompt:
-            raise PromptError("prompt: must not be empty")
         return list(prompt)
 
 
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
 class ChatMessage(BaseModel):
-    role: str
-    content: str
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") != "text":
+                raise ValueError(f"content part {i} is of type {part.get('type')!r}: only text parts are supported")
+        return content
+
+    def rendered(self) -> dict[str, str]:
+        """Role and text for the chat template: text parts joined, developer read as system."""
+        text = self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = False
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_completion_tokens: integer(ge=0) | None = None  # what the official clients send now; wins over max_tokens
+    logprobs: StrictBool = False
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+
+    def token_limit(self) -> int:
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -86,8 +186,10 @@ ENDPOINTS: dict[str, tuple[type[SamplingFields], str]] = {
 def validation_message(error: ValidationError | list[dict]) -> str:
     """pydantic's first complaint as one line: 'messages.0.content: Input should be a valid string'."""
     first = (error.errors() if isinstance(error, ValidationError) else error)[0]
-    where = ".".join(str(p) for p in first["loc"] if p != "body")
-    return f"{where}: {first['msg']}" if where else first["msg"]
+    # The path, without "body" and the labels pydantic gives union members ("constrained-str").
+    where = ".".join(str(p) for p in first["loc"] if p != "body" and (isinstance(p, int) or p.isidentifier()))
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
 def engine_inputs(body: SamplingFields, engine: BatchEngine) -> tuple[list[str | list[int]], SamplingParams]:
@@ -95,8 +197,9 @@ def engine_inputs(body: SamplingFields, engine: BatchEngine) -> tuple[list[str |
     LlamabatchError naming the problem (empty prompt, value out of range, no chat template)."""
     params = body.params()
     if isinstance(body, ChatRequest):
-        messages = [m.model_dump() for m in body.messages]
-        return [engine.model.apply_chat_template(messages, engine.chat_template)], params
+        messages = [m.rendered() for m in body.messages]
+        rendered = engine.model.apply_chat_template(messages, engine.chat_template)
+        return [engine.vocab.tokenize(rendered)], params  # ids: an engine with --chat must not template it again
     if isinstance(body, CompletionRequest):
         return body.prompts(), params
     raise LlamabatchError(f"no prompts in a {type(body).__name__}")
@@ -116,12 +219,15 @@ def choice_index(seq: Sequence) -> int:
     return seq.index * seq.params.n + seq.sample
 
 
-def completion_choices(sequences: Seq[Sequence], vocab: Vocab) -> list[dict]:
-    choices = [
-        {"index": choice_index(s), "text": s.text.text, "logprobs": completion_logprobs(s.logprobs, s, vocab),
-         "finish_reason": finish_reason(s.finish_reason)}
-        for s in sequences
-    ]
+def completion_choices(sequences: Seq[Sequence], vocab: Vocab, shown: Shown) -> list[dict]:
+    choices = []
+    for s in sequences:
+        choice = {"index": choice_index(s), "text": (s.prompt if shown.echo else "") + s.text.text,
+                  "logprobs": completion_logprobs(s, s.logprobs, vocab, echo=shown.echo),
+                  "finish_reason": finish_reason(s.finish_reason)}
+        if shown.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(s, vocab, shown.prompt_logprobs)
+        choices.append(choice)
     return sorted(choices, key=lambda c: c["index"])
 
 
@@ -144,21 +250,47 @@ def error_body(status: int, message: str, kind: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
-def response_body(kind: str, id: str, created: int, model: str, sequences: Seq[Sequence], vocab: Vocab) -> dict:
+def response_body(
+    kind: str, id: str, created: int, model: str, sequences: Seq[Sequence], vocab: Vocab, shown: Shown = Shown()
+) -> dict:
     """The whole answer to a finished request: a text_completion or chat.completion object."""
-    choices = chat_choices(sequences, vocab) if kind == "chat.completion" else completion_choices(sequences, vocab)
-    return {"id": id, "object": kind, "created": created, "model": model, "choices": choices, "usage": usage(sequences)}
+    if kind == "chat.completion":
+        body = {"id": id, "object": kind, "created": created, "model": model, "choices": chat_choices(sequences, vocab)}
+        if shown.prompt_logprobs is not None:  # vLLM puts a chat's prompt log-probabilities beside its choices
+            body["prompt_logprobs"] = prompt_logprobs(sequences[0], vocab, shown.prompt_logprobs)
+    else:
+        body = {"id": id, "object": kind, "created": created, "model": model,
+                "choices": completion_choices(sequences, vocab, shown)}
+    return {**body, "usage": usage(sequences)}
 
 
-def completion_logprobs(logprobs: list, seq: Sequence, vocab: Vocab) -> dict | None:
-    """OpenAI's legacy completions format: parallel lists per token."""
-    if seq.params.logprobs is None:
+def completion_logprobs(seq: Sequence, generated: list, vocab: Vocab, echo: bool = False) -> dict | None:
+    """OpenAI's legacy completions format: parallel lists per token. With echo the prompt's tokens
+    come first, the first of them without a log-probability (nothing comes before it)."""
+    k = seq.params.logprobs
+    if k is None:
         return None
+    rows = [(lp.token, lp.logprob, lp.top) for lp in generated]
+    if echo:
+        prompt = [(seq.tokens[0], None, None)] + [(lp.token, lp.logprob, lp.top[:k]) for lp in seq.scored.tokens]
+        rows = prompt + rows
     return {
-        "tokens": [piece(vocab, lp.token) for lp in logprobs],
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{piece(vocab, t): v for t, v in lp.top} for lp in logprobs],
+        "tokens": [piece(vocab, token) for token, _, _ in rows],
+        "token_logprobs": [logprob for _, logprob, _ in rows],
+        "top_logprobs": [None if top is None else {piece(vocab, t): v for t, v in top} for _, _, top in rows],
     }
+
+
+def prompt_logprobs(seq: Sequence, vocab: Vocab, k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: null for the first prompt token, then for each the token itself and
+    its k most likely alternatives, keyed by token id, each with its log-probability and rank."""
+    entries: list[dict | None] = [None]
+    for lp in seq.scored.tokens:
+        entry = {str(lp.token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": piece(vocab, lp.token)}}
+        for rank, (t, v) in enumerate(lp.top[:k], 1):
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": piece(vocab, t)})
+        entries.append(entry)
+    return entries
 
 
 def chat_logprobs(logprobs: list, seq: Sequence, vocab: Vocab) -> dict | None:

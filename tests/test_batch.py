@@ -175,10 +175,10 @@ def test_bad_lines_go_to_the_error_file_and_good_ones_complete(make_engine, tmp_
     assert "body must be a JSON object" in messages["no-body"]
     assert "unsupported url '/v1/embeddings'" in messages["embeddings"]
     assert "unknown fields ['priority']" in messages["extra"]
-    assert "temperature must be >= 0" in messages["hot"]
+    assert "temperature: Input should be greater than or equal to 0" in messages["hot"]
     assert messages["typed"].startswith("max_tokens:")
     assert "longer than the 256-token context" in messages["long"]
-    assert "empty prompt" in messages["empty"] and "stream" in messages["streamed"]
+    assert "prompt: String should have at least 1 character" in messages["empty"] and "stream" in messages["streamed"]
     # A request the server would answer 400 carries that answer; a line that is no request does not.
     assert errors["hot"]["response"]["status_code"] == 400
     assert errors["hot"]["response"]["body"]["error"]["message"] == messages["hot"]

@@ -107,7 +107,7 @@ def test_stream_reports_a_rejected_prompt(tiny_model):
         (["-m", "/nonexistent/model.gguf"], "GGUF file not found"),
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--top-p", "1.5"], "top_p must be in (0, 1]"),
-        (["--max-tokens", "0"], "max_tokens must be >= 1"),
+        (["--max-tokens", "-1"], "max_tokens must be >= 0"),
         (["--parallel", "16", "--ctx", "1024"], "--parallel 16 leaves 64 KV cells per sequence"),
         (["--parallel", "512", "--ctx", "1048576"], "exceeds llama.cpp's limit of 256"),
     ],

@@ -78,3 +78,31 @@ def test_a_slot_cache_past_the_sliding_window_is_not_reused():
         engine.reset_stats()
         engine.generate([later], greedy)
         assert engine.stats.prompt_tokens_reused >= 10  # within the window the head is reused
+
+
+def _native_perplexity_tool():
+    from llamabatch.errors import LlamabatchError
+    from llamabatch.measure.sweep import native_tool
+
+    try:
+        return native_tool("llama-perplexity")
+    except LlamabatchError:
+        return None
+
+
+@pytest.mark.skipif(_native_perplexity_tool() is None, reason="llama-perplexity not built (scripts/build_native.sh)")
+def test_perplexity_equals_llama_perplexity_on_the_same_text_and_window(gemma, tmp_path):
+    import re
+    import subprocess
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()[:6000]
+    (tmp_path / "text.txt").write_text(text)
+    native = subprocess.run(
+        [str(_native_perplexity_tool()), "-m", str(gemma.model.path), "-f", str(tmp_path / "text.txt"), "-c", "256", "-t", "2"],
+        capture_output=True, text=True, timeout=600,
+    )
+    theirs = float(re.search(r"Final estimate: PPL = ([\d.]+)", native.stdout + native.stderr)[1])
+    [ours] = gemma.score([text], chunk=256)
+    assert ours.n_tokens == int(re.search(r"over (\d+) chunks", native.stderr)[1]) * 127
+    assert ours.perplexity == pytest.approx(theirs, rel=0.01)

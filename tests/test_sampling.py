@@ -8,7 +8,8 @@ from llamabatch.engine.sampling import GreedySampler, build_sampler
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("max_tokens", 0, "max_tokens must be >= 1"),
+        ("max_tokens", -1, "max_tokens must be >= 0"),
+        ("prompt_logprobs", 21, "prompt_logprobs must be in [0, 20]"),
         ("temperature", -0.1, "temperature must be >= 0"),
         ("top_k", -1, "top_k must be >= 0"),
         ("top_p", 0.0, "top_p must be in (0, 1]"),

@@ -7,16 +7,21 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
+
 from ..catalog import Catalog
 from .config import EngineConfig
 from ..errors import DecodeError, PromptError
-from .native import Batch, Context, Model, init_backend, use_row_invariant_matmul
-from .results import Event, Result, RunStats
-from .sampling import GreedySampler, SamplingParams, build_sampler, token_logprob
+from .native import Batch, Context, Model, Vocab, init_backend, use_row_invariant_matmul
+from .results import Event, Result, RunStats, Score
+from .sampling import GreedySampler, SamplingParams, build_sampler, score_rows, token_logprob
 from .scheduler import LONE_ROW_MAX_CELLS, Filler, Scheduler
 from .sequence import Sequence, Status
 
 KV_FULL = 1  # llama_decode's "no free KV slot"
+# Logits a step may ask for when prompts are scored (each row is a vocabulary of floats): 256
+# rows of Gemma 3's 262,144, or every row of a batch for a small vocabulary.
+LOGITS_BUDGET_BYTES = 256 << 20
 
 
 class BatchEngine:
@@ -78,6 +83,7 @@ class BatchEngine:
         self.scheduler = Scheduler(
             cfg.n_parallel, self.ctx.n_batch, cfg.share_prefixes, batch_invariant=cfg.deterministic, n_streams=n_streams,
             lone_row_max_cells=0 if float_weights else LONE_ROW_MAX_CELLS,
+            max_outputs=LOGITS_BUDGET_BYTES // (4 * self.vocab.n_vocab),
         )
         self.stats = RunStats()
         self._next_index = 0
@@ -86,10 +92,13 @@ class BatchEngine:
     # -- submitting work -------------------------------------------------------------
 
     def add(
-        self, prompt: str | list[int], params: SamplingParams | None = None, index: int | None = None
+        self, prompt: str | list[int], params: SamplingParams | None = None, index: int | None = None,
+        *, score_from: int | None = None,
     ) -> list[Sequence]:
-        """Queue a prompt (text, or token ids) for params.n samples, which share its KV.
-        Raises PromptError when it cannot run; nothing is queued then."""
+        """Queue a prompt (text, or token ids) for params.n samples, which share its KV. With
+        score_from (or params.prompt_logprobs, which scores from the second token), the prompt's
+        tokens from that index on get their log-probabilities as it is decoded. Raises
+        PromptError when it cannot run; nothing is queued then."""
         params = params or SamplingParams()
         if index is None:
             index, self._next_index = self._next_index, self._next_index + 1
@@ -99,17 +108,23 @@ class BatchEngine:
             tokens = self.tokenize_prompt(prompt)
         else:
             tokens = [int(t) for t in prompt]
-            if not all(0 <= t < self.vocab.n_vocab for t in tokens):
-                raise PromptError(f"prompt has token ids outside the vocabulary [0, {self.vocab.n_vocab})")
-            prompt = self.vocab.detokenize(tokens)
+            prompt = self.vocab.detokenize(tokens)  # refuses ids outside the vocabulary
         if len(tokens) > self.ctx.n_ctx_seq:
             raise PromptError(
                 f"prompt is {len(tokens)} tokens, longer than the {self.ctx.n_ctx_seq}-token context "
                 "of one sequence (raise --ctx or lower --parallel)"
             )
+        if score_from is None and params.prompt_logprobs is not None and len(tokens) > 1:
+            score_from = 1  # a one-token prompt has nothing to score: its only entry is the null
+        if score_from is not None and not 1 <= score_from < len(tokens):
+            raise PromptError(f"nothing to score: tokens from {score_from} on of a {len(tokens)}-token prompt")
         sequences = [self._new_sequence(index, k, prompt, tokens, p) for k, p in enumerate(params.per_sample())]
         for seq in sequences:
-            self.scheduler.add(seq)
+            seq.score_from = -1 if score_from is None else score_from
+            if params.max_tokens == 0 and score_from is None:  # nothing to generate, nothing to score: done
+                seq.status, seq.finish_reason = Status.FINISHED, "length"
+            else:
+                self.scheduler.add(seq)
         return sequences
 
     def _new_sequence(self, index: int, sample: int, prompt: str, tokens: list[int], params: SamplingParams) -> Sequence:
@@ -168,10 +183,11 @@ class BatchEngine:
             if e.code != KV_FULL:
                 raise
             return self._recover_kv_full(scheduled)
+        logits = self.ctx.output_logits(self.batch.n_outputs, self.vocab.n_vocab) if self.batch.n_outputs else None
         due: list[Sequence] = []
         for seq in scheduled:
-            self._advance(seq, due)
-        events = self._sample(due)
+            self._advance(seq, due, logits)
+        events = self._sample(due, logits)
         self.stats.record_step(started, time.perf_counter())
         return events
 
@@ -190,13 +206,37 @@ class BatchEngine:
             pass
         return [seq.result() for seq in sequences]
 
+    def score(self, items: Iterable[str | tuple[str, str]], *, bos: bool = True, chunk: int | None = None) -> list[Score]:
+        """Log-probabilities of texts (every token after the first) or of continuations after
+        their contexts, many per llama_decode, with logits only at the scored positions.
+        With chunk, a text is cut into chunk-token windows, each starting with BOS and scored on
+        its second half, as llama.cpp's llama-perplexity does. Results in input order; an item
+        that cannot be scored fails alone."""
+        params = SamplingParams(max_tokens=0, temperature=0)
+        sequences: dict[int, list[Sequence]] = {}
+        errors: dict[int, str] = {}
+        for index, item in enumerate(items):
+            try:
+                for tokens, score_from in scored_prompts(self.vocab, item, bos, chunk):
+                    sequences.setdefault(index, []).extend(self.add(tokens, params, index, score_from=score_from))
+            except PromptError as e:
+                for seq in sequences.pop(index, []):
+                    self.cancel(seq)
+                errors[index] = str(e)
+        for _ in self.run():
+            pass
+        return [
+            Score(i, 0.0, 0, False, errors[i]) if i in errors else _total_score(i, sequences[i])
+            for i in range(len(sequences) + len(errors))
+        ]
+
     def stream(
         self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> Iterator[Event]:
         """Run prompts, yielding each token's event as it is sampled (Event.index is the input position)."""
         for seq in self.submit(prompts, params):
-            if seq.status is Status.FINISHED:
-                yield self._event(seq, None, "", "error", seq.error)
+            if seq.status is Status.FINISHED:  # refused, or nothing to do (max_tokens 0)
+                yield self._event(seq, None, "", seq.finish_reason, seq.error)
         yield from self.run()
 
     def cancel(self, seq: Sequence) -> Event | None:
@@ -243,6 +283,7 @@ class BatchEngine:
         seq_ids: list[int] = []
         logits: list[int] = []
         self._output_row = {}
+        scoring = False
         for row in rows:
             if isinstance(row, Filler):
                 tokens.append(0)
@@ -251,6 +292,7 @@ class BatchEngine:
                 logits.append(int(self._filler_logits))
                 continue
             start, n = row.n_past, row.n_chunk
+            row.chunk_row = len(tokens)
             if n == 1:  # most rows are one token (decoding): no slices and ranges for them
                 tokens.append(row.tokens[start])
                 pos.append(start)
@@ -261,20 +303,30 @@ class BatchEngine:
                 pos += range(start, start + n)
                 seq_ids += [row.seq_id] * n
                 logits += [0] * n
-            # Logits only where the chunk ends at the newest token: a prompt chunk cut short by the
-            # budget (even to one token) has more prompt to come.
-            logits[-1] = int(start + n == len(row.tokens))
-            row.i_batch = len(tokens) - 1 if logits[-1] else -1
+            scored = row.scored_rows(start, n)
+            if scored:
+                scoring = True
+                logits[row.chunk_row + scored.start - start : row.chunk_row + scored.stop - start] = [1] * len(scored)
+            # Logits for sampling only where the chunk ends at the newest token: a prompt chunk cut
+            # short by the budget (even to one token) has more prompt to come.
+            row.i_batch = len(tokens) - 1 if start + n == len(row.tokens) else -1
             if row.i_batch >= 0:
+                logits[-1] = 1
                 self._output_row[row.i_batch] = len(self._output_row)
-        if self._filler_logits and fillers:  # filler outputs take rows too
+        if scoring or (self._filler_logits and fillers):  # other rows ask for logits too: count them all
             self._output_row = {i: k for k, i in enumerate(i for i, flag in enumerate(logits) if flag)}
         self.batch.set(tokens, pos, seq_ids, logits)
 
-    def _advance(self, seq: Sequence, due: list[Sequence]) -> None:
-        """The decode took the chunk into the KV cache: hand the prefix to followers that wait for
-        exactly this much of it; each sequence now due a token joins `due` (followers first)."""
+    def _advance(self, seq: Sequence, due: list[Sequence], logits: np.ndarray | None) -> None:
+        """The decode took the chunk into the KV cache: score the prompt tokens it predicts, hand
+        the prefix to followers that wait for exactly this much of it; each sequence now due a
+        token joins `due` (followers first)."""
         self.stats.prompt_tokens_evaluated += max(0, min(seq.n_chunk, seq.n_prompt - seq.n_past))
+        scored = seq.scored_rows(seq.n_past, seq.n_chunk)
+        if scored:
+            first = self._output_row[seq.chunk_row + scored.start - seq.n_past]
+            targets = seq.tokens[scored.start + 1 : scored.stop + 1]
+            score_rows(seq.scored, logits[first : first + len(scored)], targets, seq.params.prompt_logprobs)
         seq.n_past += seq.n_chunk
         if seq.followers:
             for follower in [f for f in seq.followers if f.n_shared == seq.n_past]:
@@ -295,15 +347,18 @@ class BatchEngine:
         for waiting in [f for f in follower.followers if f.n_shared <= follower.n_past]:
             self._share_prefix(follower, waiting, due)
 
-    def _sample(self, due: list[Sequence]) -> list[Event]:
+    def _sample(self, due: list[Sequence], logits: np.ndarray | None) -> list[Event]:
         """Each due sequence's next token from its row of this step's logits: greedy ones from one
-        argmax over all rows, the others through their own sampler chains."""
+        argmax over all rows, the others through their own sampler chains. A sequence that asked
+        for no tokens (max_tokens 0: its prompt was only scored) ends here."""
         if not due:
             return []
-        logits = self.ctx.output_logits(self.batch.n_outputs, self.vocab.n_vocab)
         best = logits.argmax(axis=1) if any(isinstance(s.sampler, GreedySampler) for s in due) else None
         events = []
         for seq in due:
+            if seq.params.max_tokens == 0:
+                events.append(self._finish(seq, None, "", "length"))
+                continue
             row = self._output_row[seq.i_batch]
             token = int(best[row]) if isinstance(seq.sampler, GreedySampler) else seq.sampler.sample(self.ctx, seq.i_batch)
             if seq.params.logprobs is not None:
@@ -379,3 +434,39 @@ class BatchEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def scored_prompts(vocab: Vocab, item: str | tuple[str, str], bos: bool, chunk: int | None) -> list[tuple[list[int], int]]:
+    """The token lists to decode for one item, each with the index its scoring starts from.
+
+    A (context, continuation) pair is tokenized as lm-evaluation-harness does: the context's
+    trailing spaces move to the continuation, the whole string is tokenized, and the tokens past
+    the context's own are the continuation's. A text is scored from its second token, or in
+    llama-perplexity's windows when chunk is given."""
+    if isinstance(item, str):
+        tokens = vocab.tokenize(item, add_special=bos)
+        if chunk is None:
+            return [(tokens, 1)]
+        if len(tokens) < chunk:
+            raise PromptError(f"the text is {len(tokens)} tokens: a {chunk}-token window needs at least {chunk}")
+        first = [vocab.bos] if bos else []
+        windows = [tokens[i * chunk : (i + 1) * chunk] for i in range(len(tokens) // chunk)]
+        return [(first + w[len(first):], chunk // 2 + 1) for w in windows]
+    context, continuation = item
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    head = vocab.tokenize(context, add_special=bos)
+    whole = vocab.tokenize(context + continuation, add_special=bos)
+    if not head:
+        raise PromptError("empty context: give one, or score with a BOS token")
+    if len(whole) <= len(head):
+        raise PromptError("empty continuation: nothing to score")
+    return [(head + whole[len(head):], len(head))]
+
+
+def _total_score(index: int, sequences: list[Sequence]) -> Score:
+    """One item's score over its sequences (llama-perplexity windows: several)."""
+    parts = [seq.scored for seq in sequences]
+    error = next((seq.error for seq in sequences if seq.error), None)
+    return Score(index, sum(p.logprob for p in parts), sum(p.n_tokens for p in parts), all(p.greedy for p in parts), error)

@@ -17,7 +17,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from ..errors import ConfigError, DecodeError, LlamabatchError, ModelError
+from ..errors import ConfigError, DecodeError, LlamabatchError, ModelError, PromptError
 
 _backend_ready = False
 # ggml reads GGML_CPU_TILED_MM once, at the process's first matmul: deterministic mode must
@@ -124,6 +124,10 @@ class Vocab:
     def __init__(self, handle) -> None:
         self._handle = handle
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(handle)
+        self.bos = llama_cpp.llama_vocab_bos(handle)
+        self.eos = llama_cpp.llama_vocab_eos(handle)
+        self.pad = llama_cpp.llama_vocab_pad(handle)  # -1: none
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(handle))
         self._pieces: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}
 
@@ -149,8 +153,20 @@ class Vocab:
             cached = self._pieces[token] = buf.raw[:n]
         return cached
 
+    def text(self, token: int) -> str | None:
+        """A token's text as the vocabulary stores it, special tokens included ("<eos>"); None for none."""
+        if token < 0:
+            return None
+        return llama_cpp.llama_vocab_get_text(self._handle, token).decode(errors="replace")
+
     def detokenize(self, tokens: list[int]) -> str:
+        """Text of token ids; an id outside the vocabulary is refused (llama.cpp would abort)."""
+        self.check_ids(tokens)
         return b"".join(self.piece(t) for t in tokens).decode(errors="replace")
+
+    def check_ids(self, tokens: list[int]) -> None:
+        if not all(0 <= t < self.n_vocab for t in tokens):
+            raise PromptError(f"token ids outside the vocabulary [0, {self.n_vocab})")
 
     def is_eog(self, token: int) -> bool:
         """Whether the token ends generation (EOS, EOT, ...). Cached, as pieces are."""
@@ -211,6 +227,11 @@ class Model(_Owner):
     @property
     def n_ctx_train(self) -> int:
         return llama_cpp.llama_model_n_ctx_train(self.handle)
+
+    def chat_template_text(self, fallback: str | None = None) -> str | None:
+        """The GGUF's own chat template (Jinja text), else the name of the llama.cpp built-in used."""
+        template = llama_cpp.llama_model_chat_template(self.handle, None)
+        return template.decode(errors="replace") if template else fallback
 
     def apply_chat_template(self, messages: list[dict[str, str]], fallback: str | None = None) -> str:
         """Render messages with the model's template, ending with the assistant's turn.

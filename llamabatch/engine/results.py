@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(slots=True)
@@ -28,6 +29,40 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
+    rank: int = 1  # 1 + how many tokens were more likely
+
+
+@dataclass
+class PromptScore:
+    """Log-probabilities of a sequence's prompt tokens from its score_from on, summed as the
+    prompt is decoded (each token given the ones before it)."""
+
+    logprob: float = 0.0
+    n_tokens: int = 0
+    greedy: bool = True  # every scored token was (one of) the most likely at its position
+    tokens: list[TokenLogprob] = field(default_factory=list)  # each, with alternatives, when asked for
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-self.logprob / self.n_tokens) if self.n_tokens else math.nan
+
+
+@dataclass(frozen=True)
+class Score:
+    """What BatchEngine.score gives for one text or (context, continuation) pair."""
+
+    index: int
+    logprob: float  # summed log-probability of the scored tokens (the continuation, or the text)
+    n_tokens: int  # tokens scored
+    greedy: bool  # every scored token was (one of) the most likely: greedy decoding would give it
+    error: str | None = None
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-self.logprob / self.n_tokens) if self.n_tokens else math.nan
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "perplexity": self.perplexity}
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import SamplingError
 from .native import SamplerChain
-from .results import TokenLogprob
+from .results import PromptScore, TokenLogprob
 
 MAX_SEED = 2**32 - 2  # 2**32 - 1 is llama.cpp's "pick a random seed"
 MAX_SAMPLES = 1024
@@ -32,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past end-of-generation tokens (benchmarks)
     n: int = 1  # samples of the prompt; they share its KV, sample k uses seed + k
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (scores the prompt)
 
     def __post_init__(self) -> None:
         # Lists from JSON or the CLI become tuples so params stay hashable and immutable.
@@ -40,8 +41,8 @@ class SamplingParams:
             raise SamplingError(f"invalid sampling parameter: {problem}")
 
     def _problems(self):
-        if self.max_tokens < 1:
-            yield f"max_tokens must be >= 1, got {self.max_tokens}"
+        if self.max_tokens < 0:
+            yield f"max_tokens must be >= 0, got {self.max_tokens}"
         if self.temperature < 0:
             yield f"temperature must be >= 0, got {self.temperature}"
         if self.top_k < 0:
@@ -61,8 +62,10 @@ class SamplingParams:
             yield f"seed must be in [0, {MAX_SEED}], got {self.seed}"
         if not 1 <= self.n <= MAX_SAMPLES:
             yield f"n must be in [1, {MAX_SAMPLES}], got {self.n}"
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            yield f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                yield f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
         if any(not s for s in self.stop):
             yield "stop strings must not be empty"
 
@@ -124,4 +127,29 @@ def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
     log_total = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
     top = np.argpartition(-logits, k)[:k] if k else np.empty(0, dtype=np.int64)
     top = top[np.argsort(-logits[top])]
-    return TokenLogprob(token, float(logits[token]) - log_total, tuple((int(t), float(logits[t]) - log_total) for t in top))
+    rank = 1 + int((logits > logits[token]).sum())
+    return TokenLogprob(token, float(logits[token]) - log_total, tuple((int(t), float(logits[t]) - log_total) for t in top), rank)
+
+
+# Scored rows are worked through this many bytes of logits at a time: float64 temporaries of a
+# 262k-token vocabulary would otherwise take gigabytes for a long chunk.
+SCORE_PASS_BYTES = 16 << 20
+
+
+def score_rows(score: PromptScore, logits: np.ndarray, targets: list[int], k: int | None) -> None:
+    """Add to `score` the log-probability of each target token under its row of logits (row i
+    predicts targets[i]), computed as token_logprob does; with k, keep each token and its k
+    most likely alternatives too."""
+    n_rows, n_vocab = logits.shape
+    per_pass = max(1, SCORE_PASS_BYTES // (4 * n_vocab))
+    wanted = np.asarray(targets)
+    for a in range(0, n_rows, per_pass):
+        rows, want = logits[a : a + per_pass], wanted[a : a + per_pass]
+        peak = rows.max(axis=1)
+        log_total = peak + np.log(np.exp(rows - peak[:, None], dtype=np.float64).sum(axis=1))
+        chosen = rows[np.arange(len(want)), want]
+        score.logprob += float((chosen - log_total).sum())
+        score.n_tokens += len(want)
+        score.greedy = score.greedy and bool((chosen >= peak).all())  # a tie counts as greedy
+        if k is not None:
+            score.tokens += [token_logprob(row, int(t), k) for row, t in zip(rows, want)]

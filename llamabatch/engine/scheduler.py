@@ -9,6 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .prefix_index import PrefixIndex
+from .results import PromptScore
 from .sequence import Sequence, Status
 
 # Shorter shared prefixes are decoded again: waiting for a leader and pausing its prefill at
@@ -54,11 +55,14 @@ class Scheduler:
 
     def __init__(
         self, n_slots: int, n_batch: int, share_prefixes: bool = True, batch_invariant: bool = False, n_streams: int = 0,
-        lone_row_max_cells: int = LONE_ROW_MAX_CELLS,
+        lone_row_max_cells: int = LONE_ROW_MAX_CELLS, max_outputs: int | None = None,
     ) -> None:
         if n_batch < n_slots:
             raise ValueError(f"n_batch ({n_batch}) must be at least the number of slots ({n_slots})")
         self.n_batch = n_batch
+        # Logits rows a step may ask for: scored prompts want one per token, and each row is a
+        # vocabulary of floats (1 MiB for Gemma 3), so their chunks shrink to fit.
+        self.max_outputs = max(max_outputs or n_batch, n_slots)
         self.share_prefixes = share_prefixes
         # Deterministic mode: a prompt is prefilled alone, exactly as it would be with no other
         # sequence, and decode steps hold only decodes. A decoding sequence never sits alone in
@@ -95,7 +99,8 @@ class Scheduler:
             seq = self.waiting.popleft()
             slot, n_cached = self._take_slot(seq)
             seq.seq_id, seq.status, seq.t_admitted = slot.seq_id, Status.RUNNING, time.perf_counter()
-            seq.n_past = min(n_cached, len(seq.tokens) - 1)  # the newest token is decoded again, for its logits
+            # The newest token is decoded again, for its logits; a scored prompt's scored rows too.
+            seq.n_past = min(n_cached, len(seq.tokens) - 1, seq.shareable)
             if self.share_prefixes:
                 self._follow_a_leader(seq)
             self.running.append(seq)
@@ -115,7 +120,7 @@ class Scheduler:
                     self._leaders.remove(seq)
         if self.batch_invariant:
             return self._isolated(generating, prefilling)
-        budget = self.n_batch - len(generating)
+        budget, outputs = self.n_batch - len(generating), len(generating)
         for seq in generating:
             seq.n_chunk = 1
         scheduled = list(generating)
@@ -123,17 +128,29 @@ class Scheduler:
             if budget == 0:
                 break
             cap = seq.prefix_cap
-            seq.n_chunk = min(seq.n_pending, budget, cap - seq.n_past if cap else budget)
-            budget -= seq.n_chunk
+            n = self._fit_outputs(seq, min(seq.n_pending, budget, cap - seq.n_past if cap else budget), outputs)
+            if n == 0:
+                continue
+            seq.n_chunk = n
+            budget -= n
+            outputs += len(seq.scored_rows(seq.n_past, n)) + 1
             scheduled.append(seq)
         return sorted(scheduled, key=_by_seq_id)  # rows in seq_id order: see _take_slot
+
+    def _fit_outputs(self, seq: Sequence, n: int, outputs: int) -> int:
+        """Shrink a scored prompt's chunk so its logits rows fit what the step has left of
+        max_outputs (rows before its first scored one cost none)."""
+        if seq.score_from < 0:
+            return n
+        free = max(0, seq.score_from - 1 - seq.n_past)
+        return min(n, free + max(0, self.max_outputs - outputs))
 
     def _isolated(self, generating: list[Sequence], prefilling: list[Sequence]) -> list[Sequence]:
         """One prompt's prefill alone, in the chunks a solo run uses; or every decode. As in a
         mixed step, decoders wait for at most n_batch prompt tokens between their steps."""
         if prefilling and (not generating or self._prefilled_since_decode < self.n_batch):
             seq = prefilling[0]
-            seq.n_chunk = min(seq.n_pending, self.n_batch)
+            seq.n_chunk = max(1, self._fit_outputs(seq, min(seq.n_pending, self.n_batch), 0))
             self._prefilled_since_decode += seq.n_chunk
             return [seq]
         self._prefilled_since_decode = 0
@@ -179,9 +196,10 @@ class Scheduler:
         self._kv_full = False
 
     def preempt(self, seq: Sequence) -> None:
-        """Take a running sequence's slot (its KV already freed); it re-enters first and re-prefills."""
+        """Take a running sequence's slot (its KV already freed); it re-enters first and re-prefills
+        (a scored prompt is scored again)."""
         self._free_slot(self._give_back_slot(seq), cached=[])
-        seq.n_past, seq.status = 0, Status.WAITING
+        seq.n_past, seq.status, seq.scored = 0, Status.WAITING, PromptScore()
         self.waiting.appendleft(seq)
         self._kv_full = True
 
@@ -244,6 +262,7 @@ class Scheduler:
         for n, other in self._leaders.matches(seq.tokens):
             if n == len(seq.tokens) and len(other.tokens) > n:
                 n -= 1  # it must sample from the leader's logits, which exist only at its newest token
+            n = min(n, seq.shareable)
             if n > n_best and n > other.n_past and n >= _worth_sharing(seq):
                 seq.leader, seq.n_shared = other, n
                 other.followers.append(seq)

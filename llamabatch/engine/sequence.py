@@ -9,7 +9,7 @@ from enum import Enum
 import numpy as np
 
 from .native import SamplerChain
-from .results import Result, Timings, TokenLogprob
+from .results import PromptScore, Result, Timings, TokenLogprob
 from .sampling import GreedySampler, SamplingParams
 from .text import TextStream
 
@@ -46,6 +46,10 @@ class Sequence:
     sample: int = 0  # which of the prompt's n samples
     uid: int = -1  # unique within its engine
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked for
+    # Prompt scoring: prompt tokens from index score_from on get their log-probabilities (-1: none).
+    score_from: int = -1
+    scored: PromptScore = field(default_factory=PromptScore)
+    chunk_row: int = -1  # batch row of the current chunk's first token
     # Prefix sharing: a follower waits (unscheduled) until its leader has n_shared tokens in
     # the KV cache, then gets them copied instead of decoding them itself.
     leader: Sequence | None = None
@@ -74,6 +78,18 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """More than one token to catch up on: a prompt, or a preempted sequence's history."""
         return self.n_pending > 1
+
+    @property
+    def shareable(self) -> int:
+        """Leading tokens whose KV may come from another sequence: all of them, or, when the
+        prompt is scored, those before the first scored row (it must be decoded for its logits)."""
+        return len(self.tokens) if self.score_from < 0 else max(0, self.score_from - 1)
+
+    def scored_rows(self, start: int, n: int) -> range:
+        """Positions among start .. start+n-1 whose logits score a prompt token (the one after)."""
+        if self.score_from < 0:
+            return range(0)
+        return range(max(start, self.score_from - 1), min(start + n, self.n_prompt - 1))
 
     @property
     def prefix_cap(self) -> int | None:

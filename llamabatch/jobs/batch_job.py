@@ -251,9 +251,13 @@ class BatchJob:
                 self.engine.cancel(seq)
             self._fail(request.id, request.line, str(e), 400)
             return
-        req.n_open = len(req.sequences)
+        open_sequences = [seq for seq in req.sequences if seq.finish_reason is None]  # max_tokens 0 ends some at once
+        if not open_sequences:
+            self._write(req)
+            return
+        req.n_open = len(open_sequences)
         self._n_open_sequences += req.n_open
-        for seq in req.sequences:
+        for seq in open_sequences:
             self._open[seq.uid] = req
 
     def _finished(self, uid: int) -> None:

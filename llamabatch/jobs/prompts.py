@@ -1,14 +1,16 @@
-"""Prompts for `llamabatch run`: from -p, and from prompt files read as a batch job reads them
-(plain lines or JSON Lines with sampling fields, .gz or '-'), all held in memory."""
+"""Prompts for `llamabatch run` (from -p, and from prompt files read as a batch job reads them:
+plain lines or JSON Lines with sampling fields, .gz or '-') and items for `llamabatch score`,
+all held in memory."""
 
 from __future__ import annotations
 
+import json
 from contextlib import closing
 from pathlib import Path
 
 from ..engine import SamplingParams
 from ..errors import LlamabatchError
-from .inputs import BadLine, Format, RequestReader
+from .inputs import BadLine, Format, RequestReader, numbered_lines
 
 
 def gather_prompts(
@@ -38,3 +40,24 @@ def read_prompts_file(path: Path, base: SamplingParams) -> tuple[list[str], list
             prompts.append(request.prompt)
             params.append(request.params)
     return prompts, params
+
+
+def read_score_items(path: Path) -> list[str | tuple[str, str]]:
+    """`llamabatch score` items: JSON Lines of {"context", "continuation"} pairs or {"text"}."""
+    items: list[str | tuple[str, str]] = []
+    for n, text in numbered_lines(path):
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(text) if text is not None else None
+        except json.JSONDecodeError as e:
+            raise LlamabatchError(f"{where}: not valid JSON ({e.msg})") from None
+        if isinstance(obj, dict) and set(obj) <= {"context", "continuation", "id"} and \
+                isinstance(obj.get("context"), str) and isinstance(obj.get("continuation"), str):
+            items.append((obj["context"], obj["continuation"]))
+        elif isinstance(obj, dict) and set(obj) <= {"text", "id"} and isinstance(obj.get("text"), str):
+            items.append(obj["text"])
+        else:
+            raise LlamabatchError(f'{where}: expected {{"context": ..., "continuation": ...}} or {{"text": ...}}')
+    if not items:
+        raise LlamabatchError(f"{path} holds no items to score")
+    return items

@@ -15,7 +15,7 @@ def result_record(fmt: Format, request: JobRequest, sequences: Seq[Sequence], en
     """A finished request's output line."""
     if fmt is Format.OPENAI:
         kind = ENDPOINTS[request.url][1]
-        body = response_body(kind, new_id(kind), created, engine.model_name, sequences, engine.vocab)
+        body = response_body(kind, new_id(kind), created, engine.model_name, sequences, engine.vocab, request.body.shown())
         return {"id": _batch_id(), "custom_id": request.id,
                 "response": {"status_code": 200, "request_id": _request_id(), "body": body}, "error": None}
     choices = [{"index": s.sample, "text": s.text.text, "finish_reason": s.finish_reason, "completion_tokens": s.n_generated}

@@ -12,9 +12,14 @@ import secrets
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from importlib.metadata import version
+
 from fastapi import Depends, FastAPI, HTTPException, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import BatchEngine, SamplingParams
 from ..errors import LlamabatchError
@@ -23,6 +28,7 @@ from ..openai_format import (
 )
 from .metrics import Metrics
 from .openai_api import BatchRequest, Reply
+from .tokenizer_api import tokenizer_routes
 from .worker import EngineWorker, QueueFull, Request
 
 
@@ -47,39 +53,42 @@ def create_app(settings: ServerSettings) -> FastAPI:
         yield
         worker.stop()
 
-    app = FastAPI(title="llamabatch", lifespan=lifespan)
+    app = FastAPI(title="llamabatch", version=version("llamabatch"), lifespan=lifespan)
     authorized = _authorization(settings.api_key)
+    app.openapi = lambda: _openapi(app, worker)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request, exc: HTTPException):
+    @app.exception_handler(StarletteHTTPException)  # FastAPI's own too: a body that is not JSON, say
+    async def http_error(request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc: RequestValidationError):
         return _error(400, validation_message(exc.errors()))
 
-    @app.get("/health")
-    async def health():
+    @app.get("/health", responses=_errors(503))
+    async def health() -> dict:
         if worker.load_error is not None:
             return _error(503, f"the model failed to load: {worker.load_error}", kind="server_error")
         if not worker.ready.is_set() or worker.engine is None:
-            return JSONResponse({"status": "loading"}, status_code=503)
+            return _error(503, "the model is loading", kind="server_error")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {}}}})
     async def metrics_text():
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
-    async def models():
+    @app.get("/v1/models", dependencies=[Depends(authorized)], responses=_errors(401, 503))
+    async def models() -> dict:
         engine = _engine(worker)
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0, "owned_by": "llamabatch"}]}
+        card = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "llamabatch",
+                "max_model_len": engine.ctx.n_ctx_seq}
+        return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions", dependencies=[Depends(authorized)], responses=_GENERATION)
     async def completions(body: CompletionRequest, http: HttpRequest):
         return await answer(body, "text_completion", http)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)], responses=_GENERATION)
     async def chat_completions(body: ChatRequest, http: HttpRequest):
         return await answer(body, "chat.completion", http)
 
@@ -90,19 +99,86 @@ def create_app(settings: ServerSettings) -> FastAPI:
         except LlamabatchError as e:
             raise HTTPException(400, str(e)) from None
         job = await _submit(worker, prompts, params, metrics)
-        reply = Reply(job, engine, kind, settings.request_timeout, metrics)
+        reply = Reply(job, engine, kind, settings.request_timeout, metrics, body.shown())
         if body.stream:
             chunks = reply.chat_chunks(worker) if kind == "chat.completion" else reply.completion_chunks(worker)
             return StreamingResponse(chunks, media_type="text/event-stream")
         return await reply.whole(worker, http)
 
-    @app.post("/v1/batch/completions", dependencies=[Depends(authorized)])
-    async def batch_completions(body: BatchRequest, http: HttpRequest):
+    @app.post("/v1/batch/completions", dependencies=[Depends(authorized)], responses=_errors(400, 401, 429, 503, 504))
+    async def batch_completions(body: BatchRequest, http: HttpRequest) -> dict:
         job = await _submit(worker, body.prompts, _params(body), metrics)
         reply = Reply(job, _engine(worker), "batch.completion", settings.request_timeout, metrics)
         return await reply.batch(worker, http)
 
+    app.include_router(tokenizer_routes(lambda: _engine(worker), authorized, _errors))
     return app
+
+
+# -- the OpenAPI document: every answer a route can give -----------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+_WHY = {
+    400: "Invalid JSON, fields or prompt (OpenAI error body)",
+    401: "Missing or wrong API key (only with --api-key)",
+    429: "The queue is full (--max-queue); retry after Retry-After seconds",
+    503: "The model is loading, or failed to load",
+    504: "The request ran longer than --request-timeout",
+}
+
+
+def _errors(*codes: int) -> dict:
+    return {code: {"model": ErrorBody, "description": _WHY[code]} for code in codes}
+
+
+# Generation routes answer JSON, or Server-Sent Events with "stream": true.
+_GENERATION = {
+    200: {"description": "The answer; with stream: true, Server-Sent Events of chunks, then data: [DONE]",
+          "content": {"application/json": {}, "text/event-stream": {"schema": {}}}},
+    **_errors(400, 401, 429, 503, 504),
+}
+
+
+def _openapi(app: FastAPI, worker: EngineWorker) -> dict:
+    """FastAPI's document, with its default 422 answers removed (invalid requests get 400 here)
+    and the token-id bounds of the served model written in once it has loaded."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for operation in (op for path in doc["paths"].values() for op in path.values()):
+        operation["responses"].pop("422", None)
+    for unused in ("HTTPValidationError", "ValidationError"):
+        doc.get("components", {}).get("schemas", {}).pop(unused, None)
+    engine = worker.engine
+    _bound_token_ids(doc, engine.vocab.n_vocab - 1 if engine else None, engine.ctx.n_ctx_seq if engine else None)
+    if engine is not None:  # before that the bounds are unknown: build it again next time
+        app.openapi_schema = doc
+    return doc
+
+
+def _bound_token_ids(node, max_id: int | None, max_len: int | None) -> None:
+    """Replace the x-token-id / x-token-ids markers with the vocabulary and context bounds."""
+    if isinstance(node, dict):
+        if node.pop("x-token-id", False) and max_id is not None:
+            node["maximum"] = max_id
+        if node.pop("x-token-ids", False) and max_len is not None:
+            node["maxItems"] = max_len
+        for value in node.values():
+            _bound_token_ids(value, max_id, max_len)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, max_id, max_len)
 
 
 def _authorization(api_key: str | None):

@@ -13,7 +13,8 @@ from pydantic import Field
 
 from ..engine import BatchEngine, Event
 from ..openai_format import (
-    SamplingFields, chat_logprobs, choice_index, completion_logprobs, finish_reason, new_id, response_body, usage,
+    NonEmptyStr, SamplingFields, Shown, chat_logprobs, choice_index, completion_logprobs, finish_reason, new_id, prompt_logprobs,
+    response_body, usage,
 )
 from .metrics import Metrics
 from .worker import EngineWorker, Request
@@ -22,18 +23,21 @@ from .worker import EngineWorker, Request
 class BatchRequest(SamplingFields):
     """llamabatch's own /v1/batch/completions: many prompts, answered together."""
 
-    prompts: list[str] = Field(min_length=1)
+    prompts: list[NonEmptyStr] = Field(min_length=1)
 
 
 class Reply:
     """Turns one request's events into OpenAI responses: whole, or as a stream of chunks."""
 
-    def __init__(self, job: Request, engine: BatchEngine, kind: str, timeout: float, metrics: Metrics) -> None:
+    def __init__(
+        self, job: Request, engine: BatchEngine, kind: str, timeout: float, metrics: Metrics, shown: Shown = Shown()
+    ) -> None:
         self.job, self.model, self.kind, self.timeout, self.metrics = job, engine.model_name, kind, timeout, metrics
+        self.shown = shown
         self.vocab = engine.vocab  # pieces are cached and read-only: safe beside the engine thread
         self.id = new_id(kind)
         self.created = int(time.time())
-        self.n_open = len(job.sequences)
+        self.n_open = sum(seq.finish_reason is None for seq in job.sequences)  # max_tokens 0: some end at once
         self._by_uid = {seq.uid: seq for seq in job.sequences}
 
     async def events(self, worker: EngineWorker, http: HttpRequest | None = None) -> AsyncIterator[Event]:
@@ -75,7 +79,7 @@ class Reply:
     async def whole(self, worker: EngineWorker, http: HttpRequest) -> dict:
         """The completion or chat.completion object, once every sequence has finished."""
         await self._drain(worker, http)
-        return response_body(self.kind, self.id, self.created, self.model, self.job.sequences, self.vocab)
+        return response_body(self.kind, self.id, self.created, self.model, self.job.sequences, self.vocab, self.shown)
 
     async def batch(self, worker: EngineWorker, http: HttpRequest) -> dict:
         await self._drain(worker, http)
@@ -100,29 +104,54 @@ class Reply:
             yield chunk
 
     async def _completion_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
+        started: set[int] = set()
         async for event in self.events(worker):
+            seq = self._by_uid[event.uid]
+            if seq.uid not in started:  # a choice's first chunk: the prompt, if the request asked for it
+                started.add(seq.uid)
+                for chunk in self._prompt_chunk(seq):
+                    yield chunk
             if event.text or event.finish_reason:
-                seq = self._by_uid[event.uid]
-                logprobs = completion_logprobs([event.logprob] if event.logprob else [], seq, self.vocab)
+                logprobs = completion_logprobs(seq, [event.logprob] if event.logprob else [], self.vocab)
                 choice = {"index": choice_index(seq), "text": event.text, "logprobs": logprobs,
                           "finish_reason": finish_reason(event.finish_reason)}
-                yield _sse(self._object([choice]))
-        yield _sse(self._object([], usage=usage(self.job.sequences)))
+                yield self._chunk([choice])
+        for chunk in self._usage_chunk():
+            yield chunk
         yield "data: [DONE]\n\n"
+
+    def _prompt_chunk(self, seq) -> list[str]:
+        """Echo: the prompt's text (with its log-probabilities when asked) ahead of the completion."""
+        if not self.shown.echo and self.shown.prompt_logprobs is None:
+            return []
+        choice = {"index": choice_index(seq), "text": seq.prompt if self.shown.echo else "", "finish_reason": None,
+                  "logprobs": completion_logprobs(seq, [], self.vocab, echo=True) if self.shown.echo else None}
+        if self.shown.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(seq, self.vocab, self.shown.prompt_logprobs)
+        return [self._chunk([choice])]
 
     async def _chat_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
         for seq in self.job.sequences:
-            yield _sse(self._object([{"index": seq.sample, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-                                    object="chat.completion.chunk"))
+            first = {"index": seq.sample, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            yield self._chunk([first], object="chat.completion.chunk")
         async for event in self.events(worker):
             if event.text or event.finish_reason:
                 delta = {"content": event.text} if event.text else {}
                 logprobs = chat_logprobs([event.logprob] if event.logprob else [], self._by_uid[event.uid], self.vocab)
                 choice = {"index": event.sample, "delta": delta, "logprobs": logprobs,
                           "finish_reason": finish_reason(event.finish_reason)}
-                yield _sse(self._object([choice], object="chat.completion.chunk"))
-        yield _sse(self._object([], object="chat.completion.chunk", usage=usage(self.job.sequences)))
+                yield self._chunk([choice], object="chat.completion.chunk")
+        for chunk in self._usage_chunk(object="chat.completion.chunk"):
+            yield chunk
         yield "data: [DONE]\n\n"
+
+    def _chunk(self, choices: list, **extra) -> str:
+        usage_field = {"usage": None} if self.shown.usage_chunk else {}  # OpenAI: null on every chunk but the last
+        return _sse(self._object(choices, **usage_field, **extra))
+
+    def _usage_chunk(self, **extra) -> list[str]:
+        """With stream_options.include_usage: a last chunk, no choices, the whole request's usage."""
+        return [_sse(self._object([], usage=usage(self.job.sequences), **extra))] if self.shown.usage_chunk else []
 
 
 async def _errors_as_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
