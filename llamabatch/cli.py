@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 import shlex
 import time
@@ -64,6 +65,11 @@ StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop strin
 IgnoreEosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos", help="Generate past end-of-generation tokens.")]
 SamplesOpt = Annotated[Optional[int], typer.Option("-n", "--n", help="Samples per prompt; they share its KV (sample k: seed + k).")]
 ChatOpt = Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template.")]
+# Constrained output (at most one): every completion matches it.
+JsonSchemaOpt = Annotated[Optional[Path], typer.Option("--json-schema", help="Constrain outputs to this JSON schema (a file).")]
+GrammarOpt = Annotated[Optional[Path], typer.Option("--grammar", help="Constrain outputs to this GBNF grammar (a file).")]
+RegexOpt = Annotated[Optional[str], typer.Option("--regex", help="Constrain outputs to this regular expression.")]
+ChoiceOpt = Annotated[Optional[list[str]], typer.Option("--choice", help="Outputs are one of these strings (repeatable).")]
 
 
 def command(fn):
@@ -98,6 +104,10 @@ def run(
     stop: StopOpt = None,
     ignore_eos: IgnoreEosOpt = False,
     n: SamplesOpt = 1,
+    json_schema: JsonSchemaOpt = None,
+    grammar: GrammarOpt = None,
+    regex: RegexOpt = None,
+    choice: ChoiceOpt = None,
     parallel: ParallelOpt = None,
     ctx: CtxOpt = None,
     memory: MemoryOpt = None,
@@ -118,6 +128,7 @@ def run(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repeat_penalty=repeat_penalty, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, n=n,
+        **_constraint(json_schema, grammar, regex, choice),
     )
     prompts, params = gather_prompts(prompt or [], prompts_file, base)
     n_parallel, ctx = _slots(
@@ -136,6 +147,29 @@ def run(
     _report(results, stats, json_out=json_out, streamed=stream)
     if any(r.error for r in results):
         raise typer.Exit(1)
+
+
+def _constraint(json_schema: Path | None, grammar: Path | None, regex: str | None, choice: list[str] | None) -> dict:
+    """The SamplingParams fields for the constraint flags; files are read here."""
+    fields: dict = {}
+    if json_schema is not None:
+        try:
+            fields["json_schema"] = json.loads(_read(json_schema, "--json-schema"))
+        except json.JSONDecodeError as e:
+            raise LlamabatchError(f"--json-schema {json_schema}: not valid JSON ({e.msg})") from None
+    if grammar is not None:
+        fields["grammar"] = _read(grammar, "--grammar")
+    if regex is not None:
+        fields["regex"] = regex
+    if choice:
+        fields["choice"] = tuple(choice)
+    return fields
+
+
+def _read(path: Path, option: str) -> str:
+    if not path.is_file():
+        raise LlamabatchError(f"{option}: file not found: {path}")
+    return path.read_text()
 
 
 def _slots(parallel: str | None, ctx: int | None, memory: str | None, *, n_sequences: int, **plan_settings) -> tuple[int | None, int | None]:
@@ -204,6 +238,10 @@ def batch(
     stop: StopOpt = None,
     ignore_eos: IgnoreEosOpt = None,
     n: SamplesOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    grammar: GrammarOpt = None,
+    regex: RegexOpt = None,
+    choice: ChoiceOpt = None,
     parallel: Annotated[Optional[int], typer.Option("--parallel", "-np", help="Sequences decoded together (slots).")] = None,
     ctx: CtxOpt = None,
     batch_size: BatchOpt = None,
@@ -223,7 +261,7 @@ def batch(
     given = dict(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repeat_penalty=repeat_penalty, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        seed=seed, stop=stop and tuple(stop), ignore_eos=ignore_eos, n=n,
+        seed=seed, stop=stop and tuple(stop), ignore_eos=ignore_eos, n=n, **_constraint(json_schema, grammar, regex, choice),
     )
     given = {k: v for k, v in given.items() if v is not None}
     with BatchEngine(

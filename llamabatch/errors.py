@@ -28,3 +28,7 @@ class DecodeError(LlamabatchError):
         self.code = code
         meaning = {1: "no free KV cache slot for the batch", 2: "aborted"}.get(code, "error")
         super().__init__(f"llama_decode failed with code {code} ({meaning})")
+
+
+class ConstraintError(LlamabatchError, ValueError):
+    """A JSON schema, grammar, regular expression or choice list that cannot be compiled."""

@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictStr, V
 from .engine import BatchEngine, SamplingParams, Sequence
 from .engine.native import Vocab
 from .engine.sampling import MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED
-from .errors import LlamabatchError
+from .errors import ConstraintError, LlamabatchError
 
 
 def _json_integer(value):
@@ -58,6 +58,43 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False  # a last chunk with the usage of the whole request
 
 
+class JsonSchemaFormat(BaseModel):
+    name: StrictStr | None = None
+    schema_: dict = Field(alias="schema")
+    strict: StrictBool | None = None  # the schema is enforced either way: every token is masked by it
+    description: StrictStr | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format; {"type": "json_object", "schema": ...} is llama-cpp-python's older form."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict | None = Field(None, alias="schema")
+
+    def constraint(self) -> dict:
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ConstraintError("response_format: type json_schema needs a json_schema with a schema")
+            return {"json_schema": self.json_schema.schema_}
+        if self.type == "json_object":
+            return {"json_schema": self.schema_ or {"type": "object"}}
+        return {}
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs (one of them)."""
+
+    json_: dict | StrictStr | None = Field(None, alias="json")
+    regex: NonEmptyStr | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    grammar: NonEmptyStr | None = None
+
+    def constraint(self) -> dict:
+        given = {"json_schema": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
+        return {k: v for k, v in given.items() if v is not None}
+
+
 class SamplingFields(BaseModel):
     """OpenAI's sampling fields (their defaults), llama.cpp's top_k and min_p, vLLM's
     prompt_logprobs. The ranges are declared, so the OpenAPI document says what is accepted."""
@@ -77,15 +114,33 @@ class SamplingFields(BaseModel):
     prompt_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # vLLM: each prompt token's, with alternatives
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    # Constrained output, in each peer's shape: OpenAI, llama-server, vLLM. At most one.
+    response_format: ResponseFormat | None = None
+    grammar: NonEmptyStr | None = None  # llama-server: GBNF
+    json_schema: dict | None = None  # llama-server
+    structured_outputs: StructuredOutputs | None = None  # vLLM
 
     def params(self) -> SamplingParams:
-        """The engine's SamplingParams; raises SamplingError naming a value out of range."""
+        """The engine's SamplingParams; raises a SamplingError or ConstraintError naming the problem."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         fields = self.model_dump(include=_ENGINE_FIELDS)
         return SamplingParams(
             **fields, max_tokens=self.token_limit(), stop=tuple(stop), logprobs=self.logprob_count(),
-            prompt_logprobs=self.prompt_logprob_count(),
+            prompt_logprobs=self.prompt_logprob_count(), **self.constraint(),
         )
+
+    def constraint(self) -> dict:
+        """The one constraint the body asks for, as SamplingParams fields."""
+        shapes = {
+            "response_format": self.response_format.constraint() if self.response_format else {},
+            "grammar": {"grammar": self.grammar} if self.grammar is not None else {},
+            "json_schema": {"json_schema": self.json_schema} if self.json_schema is not None else {},
+            "structured_outputs": self.structured_outputs.constraint() if self.structured_outputs else {},
+        }
+        asked = {name: c for name, c in shapes.items() if c}
+        if len(asked) > 1 or any(len(c) > 1 for c in asked.values()):
+            raise ConstraintError(f"give one constraint, got {', '.join(asked)}")
+        return next(iter(asked.values()), {})
 
     def token_limit(self) -> int:
         return self.max_tokens

@@ -80,3 +80,26 @@ def reference_prompt_logprobs(model_path, tokens: list[int], *, n_ctx: int = 204
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
+
+
+def reference_next_logits(model_path, tokens: list[int], *, n_ctx: int = 2048, n_threads: int = 2) -> np.ndarray:
+    """The logits after the whole list, decoded alone."""
+    mparams = llama_cpp.llama_model_default_params()
+    model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_seq_max = n_ctx, len(tokens), len(tokens), 1
+    cparams.n_threads = cparams.n_threads_batch = n_threads
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+    try:
+        for i, token in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, i == len(tokens) - 1
+            batch.seq_id[i][0] = 0
+        batch.n_tokens = len(tokens)
+        assert llama_cpp.llama_decode(ctx, batch) == 0
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, len(tokens) - 1), shape=(n_vocab,)).copy()
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import numpy as np
 
 from ..catalog import Catalog
 from .config import EngineConfig
-from ..errors import DecodeError, PromptError
+from .constraints import Constraint, Grammars
+from ..errors import ConstraintError, DecodeError, PromptError
 from .native import Batch, Context, Model, Vocab, init_backend, use_row_invariant_matmul
 from .results import Event, Result, RunStats, Score
 from .sampling import GreedySampler, SamplingParams, build_sampler, score_rows, token_logprob
@@ -85,6 +87,7 @@ class BatchEngine:
             lone_row_max_cells=0 if float_weights else LONE_ROW_MAX_CELLS,
             max_outputs=LOGITS_BUDGET_BYTES // (4 * self.vocab.n_vocab),
         )
+        self.grammars = Grammars(self.vocab)
         self.stats = RunStats()
         self._next_index = 0
         self._uids = itertools.count()
@@ -118,8 +121,11 @@ class BatchEngine:
             score_from = 1  # a one-token prompt has nothing to score: its only entry is the null
         if score_from is not None and not 1 <= score_from < len(tokens):
             raise PromptError(f"nothing to score: tokens from {score_from} on of a {len(tokens)}-token prompt")
+        constraint = Constraint.of(params)
+        matchers = [self.grammars.matcher(constraint) for _ in range(params.n)] if constraint else [None] * params.n
         sequences = [self._new_sequence(index, k, prompt, tokens, p) for k, p in enumerate(params.per_sample())]
-        for seq in sequences:
+        for seq, matcher in zip(sequences, matchers):
+            seq.matcher = matcher
             seq.score_from = -1 if score_from is None else score_from
             if params.max_tokens == 0 and score_from is None:  # nothing to generate, nothing to score: done
                 seq.status, seq.finish_reason = Status.FINISHED, "length"
@@ -151,7 +157,7 @@ class BatchEngine:
     def _submit_one(self, index: int, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
         try:
             return self.add(prompt, params, index)
-        except PromptError as e:
+        except (PromptError, ConstraintError) as e:
             prompt = prompt if isinstance(prompt, str) else ""
             return [
                 Sequence(index, prompt, p, [], 0, sample=k, status=Status.FINISHED, finish_reason="error", error=str(e))
@@ -349,33 +355,61 @@ class BatchEngine:
 
     def _sample(self, due: list[Sequence], logits: np.ndarray | None) -> list[Event]:
         """Each due sequence's next token from its row of this step's logits: greedy ones from one
-        argmax over all rows, the others through their own sampler chains. A sequence that asked
-        for no tokens (max_tokens 0: its prompt was only scored) ends here."""
+        argmax over all rows, the others through their own sampler chains; constrained ones after
+        their rows are masked. A sequence that asked for no tokens (max_tokens 0: its prompt was
+        only scored) ends here."""
         if not due:
             return []
+        rows = [self._output_row[s.i_batch] for s in due]
+        shared = {r for r, k in Counter(rows).items() if k > 1}  # followers sampling from their leader's row
+        raw = self._mask_constrained(due, rows, shared, logits)
         best = logits.argmax(axis=1) if any(isinstance(s.sampler, GreedySampler) for s in due) else None
         events = []
-        for seq in due:
+        for seq, r in zip(due, rows):
             if seq.params.max_tokens == 0:
                 events.append(self._finish(seq, None, "", "length"))
                 continue
-            row = self._output_row[seq.i_batch]
-            token = int(best[row]) if isinstance(seq.sampler, GreedySampler) else seq.sampler.sample(self.ctx, seq.i_batch)
-            if seq.params.logprobs is not None:
-                seq.logprobs.append(token_logprob(logits[row], token, seq.params.logprobs))
+            if seq.matcher is not None and r in shared:
+                token = self._sample_masked_copy(seq, logits[r])
+            else:
+                token = int(best[r]) if isinstance(seq.sampler, GreedySampler) else seq.sampler.sample(self.ctx, seq.i_batch)
+            if seq.params.logprobs is not None:  # the model's own distribution, before any mask
+                seq.logprobs.append(token_logprob(raw.get(seq.uid, logits[r]), token, seq.params.logprobs))
             events.append(self._accept(seq, token))
         return events
 
+    def _mask_constrained(self, due: list[Sequence], rows: list[int], shared: set[int], logits: np.ndarray) -> dict[int, np.ndarray]:
+        """Mask, in place and together, the rows of constrained sequences that sample alone from
+        them; returns unmasked copies of those whose log-probabilities are reported."""
+        alone = [(seq, r) for seq, r in zip(due, rows) if seq.matcher is not None and r not in shared and seq.params.max_tokens]
+        raw = {seq.uid: logits[r].copy() for seq, r in alone if seq.params.logprobs is not None}
+        if alone:
+            self.grammars.mask_rows([seq.matcher for seq, _ in alone], [logits[r] for _, r in alone])
+        return raw
+
+    def _sample_masked_copy(self, seq: Sequence, row: np.ndarray) -> int:
+        """A constrained sequence sampling from a row others sample from too: mask it, sample, and
+        put it back as it was for them."""
+        original = row.copy()
+        self.grammars.mask_rows([seq.matcher], [row])
+        try:
+            return int(row.argmax()) if isinstance(seq.sampler, GreedySampler) else seq.sampler.sample(self.ctx, seq.i_batch)
+        finally:
+            row[:] = original
+
     def _accept(self, seq: Sequence, token: int) -> Event:
-        """Append the sampled token; finish the sequence if it ends here."""
+        """Append the sampled token; finish the sequence if it ends here (a constrained one ends
+        when its constraint is complete)."""
         seq.tokens.append(token)
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            return self._finish(seq, token, "", "stop", f"the constraint refused token {token}: {seq.matcher.get_error()}")
         self.stats.completion_tokens += 1
         if seq.t_first_token is None:
             seq.t_first_token = time.perf_counter()
         if self.vocab.is_eog(token) and not seq.params.ignore_eos:
             return self._finish(seq, token, "", "stop")
         text = seq.text.push(self.vocab.piece(token))
-        if seq.text.stopped:
+        if seq.text.stopped or (seq.matcher is not None and seq.matcher.is_stopped()):
             return self._finish(seq, token, text, "stop")
         # The new token is decoded at position len(tokens) - 1 next step: it needs a cell.
         if seq.n_generated >= seq.params.max_tokens or len(seq.tokens) > self.ctx.n_ctx_seq:

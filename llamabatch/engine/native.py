@@ -168,6 +168,14 @@ class Vocab:
         if not all(0 <= t < self.n_vocab for t in tokens):
             raise PromptError(f"token ids outside the vocabulary [0, {self.n_vocab})")
 
+    @property
+    def handle(self):
+        return self._handle
+
+    def eog_tokens(self) -> list[int]:
+        """Every token that ends generation (EOS, end-of-turn, ...); a scan of the vocabulary."""
+        return [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._handle, t)]
+
     def is_eog(self, token: int) -> bool:
         """Whether the token ends generation (EOS, EOT, ...). Cached, as pieces are."""
         eog = self._eog.get(token)

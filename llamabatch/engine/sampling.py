@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 
 import llama_cpp
@@ -33,10 +34,20 @@ class SamplingParams:
     n: int = 1  # samples of the prompt; they share its KV, sample k uses seed + k
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (scores the prompt)
+    # Constrained output, at most one: the text must match it (masked token by token before sampling).
+    json_schema: str | dict | None = None  # a JSON schema ({"type": "object"}: any JSON object)
+    grammar: str | None = None  # a GBNF grammar (llama.cpp's format)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # exactly one of these strings
 
     def __post_init__(self) -> None:
-        # Lists from JSON or the CLI become tuples so params stay hashable and immutable.
+        # Lists from JSON or the CLI become tuples, a schema its canonical JSON text, so params stay
+        # hashable and immutable (and one schema compiles once, however it was written).
         object.__setattr__(self, "stop", tuple(self.stop))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json_schema, dict):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema, sort_keys=True))
         for problem in self._problems():
             raise SamplingError(f"invalid sampling parameter: {problem}")
 
@@ -68,6 +79,14 @@ class SamplingParams:
                 yield f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
         if any(not s for s in self.stop):
             yield "stop strings must not be empty"
+        given = [name for name in ("json_schema", "grammar", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) > 1:
+            yield f"at most one constraint, got {' and '.join(given)}"
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            yield "choice must be a non-empty list of non-empty strings"
+        for name in ("grammar", "regex"):
+            if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
+                yield f"{name} must be a non-empty string"
 
     def per_sample(self) -> list[SamplingParams]:
         """One set per sample, in order: sample k draws with seed + k, so n samples differ yet reproduce."""

@@ -50,6 +50,7 @@ class Sequence:
     score_from: int = -1
     scored: PromptScore = field(default_factory=PromptScore)
     chunk_row: int = -1  # batch row of the current chunk's first token
+    matcher: object | None = None  # an llguidance matcher when the output is constrained
     # Prefix sharing: a follower waits (unscheduled) until its leader has n_shared tokens in
     # the KV cache, then gets them copied instead of decoding them itself.
     leader: Sequence | None = None

@@ -37,7 +37,7 @@ class Reply:
         self.vocab = engine.vocab  # pieces are cached and read-only: safe beside the engine thread
         self.id = new_id(kind)
         self.created = int(time.time())
-        self.n_open = sum(seq.finish_reason is None for seq in job.sequences)  # max_tokens 0: some end at once
+        self.n_open = job.n_open  # counted by the engine thread: those that finish by now still send their events
         self._by_uid = {seq.uid: seq for seq in job.sequences}
 
     async def events(self, worker: EngineWorker, http: HttpRequest | None = None) -> AsyncIterator[Event]:

@@ -35,6 +35,7 @@ class Request:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     sequences: list[Sequence] = field(default_factory=list)
     submitted: asyncio.Future | None = None  # resolves once the engine has taken the prompts
+    n_open: int = 0  # sequences that will send events: counted when taken, before any step runs
     t_start: float = field(default_factory=time.perf_counter)
 
 
@@ -132,8 +133,9 @@ class EngineWorker:
             return
         request.sequences = sequences
         for seq in sequences:
-            if seq.finish_reason is None:
+            if seq.finish_reason is None:  # not refused, and not done at once (max_tokens 0)
                 self._owners[seq.uid] = (request, seq)
+                request.n_open += 1
         request.loop.call_soon_threadsafe(_resolve, request.submitted, None)
 
     def _cancel(self, request: Request) -> None:
