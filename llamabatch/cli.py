@@ -15,7 +15,7 @@ import typer
 
 from . import display
 from .catalog import Catalog, ModelSpec
-from .engine import BatchEngine, Result, SamplingParams, Sequence
+from .engine import BatchEngine, EngineConfig, Result, SamplingParams, Sequence
 from .engine.memory import parse_size, plan_for
 from .engine.native import Model, init_backend
 from .errors import LlamabatchError
@@ -41,7 +41,7 @@ BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-b", help="Mos
 UbatchOpt = Annotated[Optional[int], typer.Option("--ubatch-size", "-ub", help="Physical micro-batch (n_ubatch).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
 GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", "-ngl", help="Layers on the GPU (-1 = all).")]
-KvUnifiedOpt = Annotated[Optional[bool], typer.Option("--kv-unified/--no-kv-unified", help="One KV buffer shared by all sequences.")]
+KvUnifiedOpt = Annotated[Optional[bool], typer.Option("--kv-unified/--no-kv-unified", help="One KV buffer shared by all sequences (default), or one each.")]
 DeterministicOpt = Annotated[
     Optional[bool], typer.Option("--deterministic", help="Same output alone or in any batch (CPU; slower prefill, see README).")
 ]
@@ -132,7 +132,8 @@ def run(
     )
     prompts, params = gather_prompts(prompt or [], prompts_file, base)
     n_parallel, ctx = _slots(
-        parallel, ctx, memory, model=model, catalog=config, kv_unified=bool(kv_unified),
+        parallel, ctx, memory, model=model, catalog=config,
+        kv_unified=EngineConfig.kv_unified if kv_unified is None else kv_unified,
         n_ubatch=ubatch_size, n_sequences=sum(p.n for p in params), verbose=verbose,
     )
     with BatchEngine(
@@ -381,7 +382,7 @@ def plan(
     config: CatalogOpt = None,
     ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context of each sequence, in tokens (default: the catalog's).")] = None,
     memory: MemoryOpt = None,
-    kv_unified: Annotated[bool, typer.Option("--kv-unified/--no-kv-unified", help="Plan one KV buffer shared by all sequences.")] = False,
+    kv_unified: Annotated[bool, typer.Option("--kv-unified/--no-kv-unified", help="Plan one KV buffer shared by all sequences.")] = EngineConfig.kv_unified,
     ubatch_size: UbatchOpt = None,
     check: Annotated[bool, typer.Option(help="Create the planned context and compare with the KV buffer llama.cpp allocates.")] = False,
     json_out: JsonOpt = False,

@@ -108,7 +108,7 @@ def test_stream_reports_a_rejected_prompt(tiny_model):
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--top-p", "1.5"], "top_p must be in (0, 1]"),
         (["--max-tokens", "-1"], "max_tokens must be >= 0"),
-        (["--parallel", "16", "--ctx", "1024"], "--parallel 16 leaves 64 KV cells per sequence"),
+        (["--parallel", "16", "--ctx", "1024", "--no-kv-unified"], "--parallel 16 leaves 64 KV cells per sequence"),
         (["--parallel", "512", "--ctx", "1048576"], "exceeds llama.cpp's limit of 256"),
     ],
 )
@@ -129,7 +129,9 @@ def test_corrupt_gguf_and_empty_prompt_and_too_long_prompt(tiny_model, tmp_path)
     result = invoke("run", "-m", tiny_model, "-p", "")
     assert result.exit_code == 1 and "error: prompt 0: empty prompt" in result.stderr
     result = invoke("run", "-m", tiny_model, "-p", "word " * 400, "--ctx", 512, "--parallel", 2)
-    assert result.exit_code == 1 and "longer than the 256-token context" in result.stderr
+    assert result.exit_code == 1 and "longer than the 512-token context of one sequence (raise --ctx)" in result.stderr
+    result = invoke("run", "-m", tiny_model, "-p", "word " * 400, "--ctx", 512, "--parallel", 2, "--no-kv-unified")
+    assert result.exit_code == 1 and "longer than the 256-token context of one sequence (raise --ctx or lower --parallel)" in result.stderr
 
 
 def test_no_prompts_and_bad_jsonl_are_errors(tiny_model, tmp_path):

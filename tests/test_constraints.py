@@ -116,8 +116,13 @@ def test_constraints_that_cannot_compile_are_refused_with_the_reason(make_engine
     assert failed.finish_reason == "error" and "invalid regex" in failed.error and fine.finish_reason is None
 
 
-def test_a_constraint_is_compiled_once(make_engine):
+def test_a_constraint_is_compiled_once_and_keeps_its_property_order(make_engine):
     engine = make_engine(n_parallel=4)
-    for order in (SCHEMA, dict(reversed(SCHEMA.items())), json.loads(json.dumps(SCHEMA))):
-        engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, json_schema=order))
-    assert engine.grammars.compiles == 1  # one schema however written; twelve sequences got copies
+    for same in (SCHEMA, json.loads(json.dumps(SCHEMA)), json.dumps(SCHEMA, indent=2)):  # equal, however written
+        results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=96, json_schema=same))
+    assert engine.grammars.compiles == 1  # twelve sequences got copies of one compiled schema
+    assert all(list(json.loads(r.text)) == [k for k in SCHEMA["properties"] if k in json.loads(r.text)] for r in results)
+    reordered = {**SCHEMA, "properties": dict(reversed(SCHEMA["properties"].items()))}
+    [r] = engine.generate(["hi"], SamplingParams(temperature=0, max_tokens=96, json_schema=reordered))
+    assert list(json.loads(r.text))[0] == "tags" or "tags" not in json.loads(r.text)  # the schema's order is the output's
+    assert engine.grammars.compiles == 2

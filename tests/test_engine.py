@@ -189,23 +189,24 @@ def test_repeat_penalty_covers_prompt_and_output(make_engine):
 
 
 def test_a_bad_prompt_fails_alone(make_engine):
-    engine = make_engine(n_ctx=512, n_parallel=2)  # 256 tokens per sequence
+    engine = make_engine(n_ctx=512, n_parallel=2)  # a unified cache: one sequence may use all 512 cells
     results = engine.generate(["hello", "", "word " * 300, "world", [1, 2, 10**7]], GREEDY)
     assert [r.finish_reason for r in results] == ["length", "error", "error", "length", "error"]
     assert results[1].error == "empty prompt"
-    assert "longer than the 256-token context" in results[2].error
+    assert "1502 tokens, longer than the 512-token context of one sequence (raise --ctx)" in results[2].error
     assert "token ids outside the vocabulary" in results[4].error
     assert results[0].completion_tokens == results[3].completion_tokens == GREEDY.max_tokens
     with pytest.raises(PromptError, match="empty prompt"):
         engine.add("")
 
 
-def test_a_sequence_stops_at_the_end_of_its_context(make_engine):
-    engine = make_engine(n_ctx=512, n_parallel=2)
-    assert engine.ctx.n_ctx_seq == 256
+@pytest.mark.parametrize("kv_unified, n_ctx_seq", [(False, 256), (True, 512)], ids=["per-seq-kv", "unified-kv"])
+def test_a_sequence_stops_at_the_end_of_its_context(make_engine, kv_unified, n_ctx_seq):
+    engine = make_engine(n_ctx=512, n_parallel=2, kv_unified=kv_unified)
+    assert engine.ctx.n_ctx_seq == n_ctx_seq  # its share of the cache, or (unified) all of it
     result = engine.generate(["hello"], SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))[0]
     assert result.finish_reason == "length"
-    assert result.prompt_tokens + result.completion_tokens == 256 + 1  # the last token is sampled, never decoded
+    assert result.prompt_tokens + result.completion_tokens == n_ctx_seq + 1  # the last token is sampled, never decoded
 
 
 def test_full_kv_cache_preempts_and_every_sequence_still_completes(make_engine, decode_calls):

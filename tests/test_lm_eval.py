@@ -99,7 +99,7 @@ def test_lm_eval_accuracy_equals_the_accuracy_from_score(evaluated, tiny_model):
     assert results["llamabatch_mc"]["acc,none"] == pytest.approx(accuracy)
     for sample, row in zip(samples(out, "llamabatch_mc"), scores):
         theirs = [float(resp[0][0]) for resp in sample["resps"]]
-        assert theirs == pytest.approx([s.logprob for s in row], abs=1e-3)
+        assert theirs == pytest.approx([s.logprob for s in row], rel=1e-3)  # other batches: last-bit sums differ
 
 
 def test_lm_eval_generations_equal_the_engines(evaluated, tiny_model):

@@ -69,7 +69,7 @@ def test_failed_context_creation_frees_the_model(handles, tiny_model, monkeypatc
 
 def test_bad_settings_fail_before_loading_anything(handles, tiny_model):
     with pytest.raises(ConfigError, match="--parallel 64 leaves 16 KV cells per sequence"):
-        BatchEngine(tiny_model, n_parallel=64, n_ctx=1024)
+        BatchEngine(tiny_model, n_parallel=64, n_ctx=1024, kv_unified=False)
     with pytest.raises(ConfigError, match="exceeds llama.cpp's limit"):
         BatchEngine(tiny_model, n_parallel=1000, n_ctx=1 << 20)
     assert balance(handles)["model"] == (0, 0)

@@ -120,7 +120,7 @@ def test_tokenizer_endpoints_in_vllm_and_llama_server_shapes(base, tiny_model):
         bare = engine.vocab.tokenize("hello world", add_special=False)
         eos = engine.vocab.eos
     vllm = httpx.post(f"{base}/tokenize", json={"prompt": "hello world"}).json()
-    assert vllm["tokens"] == expected and vllm["count"] == len(expected) and vllm["max_model_len"] == 512
+    assert vllm["tokens"] == expected and vllm["count"] == len(expected) and vllm["max_model_len"] == 2048  # unified: all of it
     assert httpx.post(f"{base}/tokenize", json={"prompt": "hello world", "add_special_tokens": False}).json()["tokens"] == bare
     assert httpx.post(f"{base}/tokenize", json={"content": "hello world"}).json()["tokens"] == bare  # llama-server's default
     text = httpx.post(f"{base}/detokenize", json={"tokens": bare}).json()
@@ -131,7 +131,7 @@ def test_tokenizer_endpoints_in_vllm_and_llama_server_shapes(base, tiny_model):
     assert info["eos_token"] == "</s>" and info["bos_token"] == "<s>" and "im_start" in info["chat_template"]
     assert httpx.post(f"{base}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"] == [eos]
     card = httpx.get(f"{base}/v1/models").json()["data"][0]
-    assert card["max_model_len"] == 512
+    assert card["max_model_len"] == 2048
 
 
 def test_lm_eval_finds_the_remote_tokenizer(base):
@@ -149,7 +149,7 @@ def test_the_openapi_document_declares_every_answer(base):
     assert "text/event-stream" in completions["200"]["content"]
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     prompt = doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]
-    assert prompt[2]["items"]["maximum"] == 289 and prompt[2]["maxItems"] == 512  # the served model's bounds
+    assert prompt[2]["items"]["maximum"] == 289 and prompt[2]["maxItems"] == 2048  # the served model's bounds
 
 
 def test_a_schema_fuzzer_finds_nothing_undocumented(serve):

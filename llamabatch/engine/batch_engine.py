@@ -113,9 +113,9 @@ class BatchEngine:
             tokens = [int(t) for t in prompt]
             prompt = self.vocab.detokenize(tokens)  # refuses ids outside the vocabulary
         if len(tokens) > self.ctx.n_ctx_seq:
+            hint = "raise --ctx" if self.ctx.kv_unified else "raise --ctx or lower --parallel"
             raise PromptError(
-                f"prompt is {len(tokens)} tokens, longer than the {self.ctx.n_ctx_seq}-token context "
-                "of one sequence (raise --ctx or lower --parallel)"
+                f"prompt is {len(tokens)} tokens, longer than the {self.ctx.n_ctx_seq}-token context of one sequence ({hint})"
             )
         if score_from is None and params.prompt_logprobs is not None and len(tokens) > 1:
             score_from = 1  # a one-token prompt has nothing to score: its only entry is the null

@@ -23,7 +23,11 @@ class EngineConfig:
     n_parallel: int = 4  # slots: sequences decoded together
     n_threads: int = 0  # 0 = all cores
     gpu_layers: int = -1
-    kv_unified: bool = False  # one KV buffer shared by all sequences instead of one each
+    # One KV buffer shared by all sequences, not one each. With one each, llama.cpp splits a step
+    # whose sequences bring different token counts (a prompt beside decoding ones: the normal
+    # case once they end at different times) into several graph runs: 1.2-1.9x slower measured
+    # (README, "Unified or per-sequence KV cache"). Deterministic mode needs one each.
+    kv_unified: bool = True
     share_prefixes: bool = True  # copy common prompt prefixes' KV instead of decoding them again
     deterministic: bool = False  # a sequence's output does not depend on what else is in the batch
     chat: bool = False

@@ -26,6 +26,8 @@ from .native import Vocab
 from .sampling import SamplingParams
 
 COMPILED_CACHE = 256  # distinct constraints kept compiled (a batch job sends one schema a million times)
+ALL_ONES = np.uint32(0xFFFFFFFF)
+NEG_INF_BITS = np.float32(-np.inf).view(np.uint32)
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,12 @@ class Grammars:
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], self._mask)
         n_vocab = self.vocab.n_vocab
         for i, row in enumerate(rows):
-            allowed = np.unpackbits(self._mask[i].view(np.uint8), bitorder="little")[:n_vocab].view(bool)
-            np.putmask(row, ~allowed, -np.inf)
+            # Bitwise on the float bits, not np.putmask: that branches per element and costs 1 ms
+            # on a 262k row whose mask mixes allowed and forbidden tokens; this costs 0.15 ms.
+            keep = np.multiply(np.unpackbits(self._mask[i].view(np.uint8), bitorder="little")[:n_vocab], ALL_ONES, dtype=np.uint32)
+            bits = row.view(np.uint32)
+            np.bitwise_and(bits, keep, out=bits)  # allowed logits stay as they were
+            np.bitwise_or(bits, NEG_INF_BITS & ~keep, out=bits)  # forbidden ones become -inf
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:

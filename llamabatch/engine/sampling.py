@@ -41,13 +41,13 @@ class SamplingParams:
     choice: tuple[str, ...] | None = None  # exactly one of these strings
 
     def __post_init__(self) -> None:
-        # Lists from JSON or the CLI become tuples, a schema its canonical JSON text, so params stay
-        # hashable and immutable (and one schema compiles once, however it was written).
+        # Lists from JSON or the CLI become tuples, a schema its JSON text, so params stay hashable
+        # and immutable. Keys keep their order: a schema's property order is the output's order.
         object.__setattr__(self, "stop", tuple(self.stop))
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
-        if isinstance(self.json_schema, dict):
-            object.__setattr__(self, "json_schema", json.dumps(self.json_schema, sort_keys=True))
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
         for problem in self._problems():
             raise SamplingError(f"invalid sampling parameter: {problem}")
 
@@ -79,6 +79,8 @@ class SamplingParams:
                 yield f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
         if any(not s for s in self.stop):
             yield "stop strings must not be empty"
+        if self.json_schema == "":
+            yield "json_schema must be a JSON object (a schema), or its JSON text"
         given = [name for name in ("json_schema", "grammar", "regex", "choice") if getattr(self, name) is not None]
         if len(given) > 1:
             yield f"at most one constraint, got {' and '.join(given)}"
@@ -100,6 +102,16 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return (self.repeat_penalty, self.presence_penalty, self.frequency_penalty) != (1.0, 0.0, 0.0)
+
+
+def _schema_text(schema: str | dict) -> str:
+    """A schema as compact JSON text, whatever its layout ("" for one that is not a JSON object)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            return ""
+    return json.dumps(schema, separators=(",", ":")) if isinstance(schema, dict) else ""
 
 
 class GreedySampler:

@@ -1,0 +1,266 @@
+#!/usr/bin/env python
+"""Structured output on the default model: which engine, what it costs, whether outputs validate.
+
+engines     the per-token cost of constraining one sequence along a real output (a 20-field
+            schema; the logits of each step from an actual decode): llguidance (mask + apply +
+            argmax, what llamabatch does), llama.cpp's grammar sampler filtering the whole
+            vocabulary (a grammar sampler in the chain), and llama.cpp's sample-then-check
+            (common_sampler: check the argmax alone, filter everything only when it is refused);
+            and the compile time of each
+throughput  generated tokens/s with a JSON schema on every sequence against none, same prompts
+            (--per-slot of them per slot), --max-tokens 64, EOS honoured, at each --parallel,
+            rotating runs; and against free text cut to the schema outputs' lengths
+validity    every output parsed and validated (jsonschema) over the schemas below x prompts
+
+    python scripts/bench_constraints.py engines
+    python scripts/bench_constraints.py throughput --parallel 16,32 --pairs 3
+    python scripts/bench_constraints.py validity --prompts 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import time
+
+import jsonschema
+import llama_cpp
+import llguidance
+import llguidance.numpy
+import numpy as np
+from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+from llamabatch import BatchEngine, SamplingParams
+
+ADDRESS = {"type": "object", "properties": {
+    "street": {"type": "string", "maxLength": 40}, "city": {"type": "string", "maxLength": 30},
+    "zip": {"type": "string", "pattern": "^[0-9]{5}$"}, "country": {"enum": ["FR", "DE", "US", "JP"]}},
+    "required": ["street", "city", "zip", "country"], "additionalProperties": False}
+ORDER = {"type": "object", "properties": {  # 20 fields, nested: the compile-time schema
+    "order_id": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
+    "customer": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 40}, "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}[.]com$"},
+        "vip": {"type": "boolean"}, "address": ADDRESS}, "required": ["name", "email", "vip", "address"], "additionalProperties": False},
+    "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "object", "properties": {
+        "sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{3}$"}, "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
+        "price": {"type": "number", "minimum": 0, "maximum": 10000}}, "required": ["sku", "quantity", "price"],
+        "additionalProperties": False}},
+    "status": {"enum": ["new", "paid", "shipped"]}, "express": {"type": "boolean"},
+    "discount": {"type": "number", "minimum": 0, "maximum": 1}, "notes": {"type": "string", "maxLength": 60},
+    "priority": {"type": "integer", "minimum": 1, "maximum": 5}},
+    "required": ["order_id", "customer", "items", "status", "express", "discount", "notes", "priority"],
+    "additionalProperties": False}
+SCHEMAS = {  # increasing difficulty
+    "enum": {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "unsure"]}}, "required": ["answer"],
+             "additionalProperties": False},
+    "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+               "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"], "additionalProperties": False},
+    "bounded numbers": {"type": "object", "properties": {"temperature": {"type": "number", "minimum": -50, "maximum": 60},
+                        "humidity": {"type": "integer", "minimum": 0, "maximum": 100}}, "required": ["temperature", "humidity"],
+                        "additionalProperties": False},
+    "string pattern": {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+                       "valid": {"type": "boolean"}}, "required": ["code", "valid"], "additionalProperties": False},
+    "array of strings": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 15},
+                         "minItems": 1, "maxItems": 4}}, "required": ["tags"], "additionalProperties": False},
+    "optional fields": {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
+                        "subtitle": {"type": "string", "maxLength": 40}, "pages": {"type": "integer", "minimum": 1, "maximum": 2000}},
+                        "required": ["title"], "additionalProperties": False},
+    "nested object": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "address": ADDRESS},
+                      "required": ["name", "address"], "additionalProperties": False},
+    "array of objects": {"type": "object", "properties": {"steps": {"type": "array", "minItems": 2, "maxItems": 4, "items": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}, "text": {"type": "string", "maxLength": 30}},
+        "required": ["n", "text"], "additionalProperties": False}}}, "required": ["steps"], "additionalProperties": False},
+    "enums and consts": {"type": "object", "properties": {"kind": {"const": "review"}, "stars": {"enum": [1, 2, 3, 4, 5]},
+                         "language": {"enum": ["en", "fr", "de"]}, "verified": {"type": "boolean"}},
+                         "required": ["kind", "stars", "language", "verified"], "additionalProperties": False},
+    "date and nested arrays": {"type": "object", "properties": {"date": {"type": "string", "format": "date"},
+                               "matrix": {"type": "array", "maxItems": 2, "items": {"type": "array", "maxItems": 3,
+                                          "items": {"type": "integer", "minimum": 0, "maximum": 9}}}},
+                               "required": ["date", "matrix"], "additionalProperties": False},
+    "product catalog": {"type": "object", "properties": {"products": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 25}, "price": {"type": "number", "minimum": 0, "maximum": 999},
+                                         "category": {"enum": ["food", "tools", "toys"]}, "stock": {"type": "integer", "minimum": 0, "maximum": 500}},
+        "required": ["name", "price", "category", "stock"], "additionalProperties": False}}}, "required": ["products"],
+        "additionalProperties": False},
+    "20-field order": ORDER,
+}
+TOPICS = ["a bakery order", "a weather report", "a book", "a hotel review", "a museum visit", "a train ticket",
+          "a birthday party", "a recipe", "a rescue dog", "a garden", "a concert", "a job offer", "a chess club",
+          "a bicycle repair", "a school trip", "a coffee shop"]
+
+
+def prompt(topic: str, name: str) -> str:
+    return f"Write the data for {topic} as JSON ({name}).\nJSON: "
+
+
+def engines(args: argparse.Namespace) -> None:
+    """Each engine decodes its own greedy output for the same prompt, one sequence, timing only
+    what it adds to a step; the output is then validated."""
+    with BatchEngine(n_parallel=1, n_ctx=4096) as engine:
+        vocab, n_vocab = engine.vocab, engine.vocab.n_vocab
+        start = time.perf_counter()
+        tokenizer = engine.grammars._llg_tokenizer()
+        tokenizer_s = time.perf_counter() - start
+        start = time.perf_counter()
+        matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_json_schema(ORDER, defaults={"whitespace_flexible": False}))
+        llg_compile = time.perf_counter() - start
+        start = time.perf_counter()
+        gbnf = json_schema_to_gbnf(json.dumps(ORDER))
+        llama_cpp.llama_sampler_free(llama_cpp.llama_sampler_init_grammar(vocab.handle, gbnf.encode(), b"root"))
+        gbnf_compile = time.perf_counter() - start
+        prompt_tokens = engine.tokenize_prompt(prompt("a bakery order", "order"))
+        mask = np.empty((1, (n_vocab + 31) // 32), dtype=np.int32)
+
+        def llguidance_step(row: np.ndarray) -> int:
+            llguidance.numpy.fill_next_token_bitmask(matcher, mask)
+            np.putmask(row, ~np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:n_vocab].view(bool), -np.inf)
+            token = int(row.argmax())
+            matcher.consume_token(token)
+            return -1 if vocab.is_eog(token) else token
+
+        results = {"llguidance: mask, apply, argmax": greedy_path(engine, prompt_tokens, llguidance_step)}
+        for check_first in (False, True):
+            grammar = llama_cpp.llama_sampler_init_grammar(vocab.handle, gbnf.encode(), b"root")
+            step, refused = grammar_step(grammar, vocab, check_first)
+            label = "llama.cpp: check the argmax, filter on refusal" if check_first else "llama.cpp: grammar over every candidate"
+            results[label] = (*greedy_path(engine, prompt_tokens, step), *([refused[0]] if check_first else []))
+            llama_cpp.llama_sampler_free(grammar)
+    print(f"20-field schema, Gemma 3 270M ({n_vocab:,}-token vocabulary), one sequence, greedy: what each engine adds to a step")
+    for label, (times, text, *refused) in results.items():
+        try:
+            jsonschema.validate(json.loads(text), ORDER)
+            valid = "valid"
+        except json.JSONDecodeError:
+            valid = "INVALID: not JSON"
+        except jsonschema.ValidationError as e:
+            valid = f"INVALID: {e.message[:80]}"
+        extra = f", {refused[0]} of {len(times)} argmaxes refused" if refused else ""
+        print(f"  {label:>48}: {statistics.mean(times) * 1e3:7.3f} ms mean, {statistics.median(times) * 1e3:7.3f} ms median, "
+              f"{len(times)} steps, {valid}{extra}")
+    print(f"  compile: llguidance {llg_compile * 1e3:.2f} ms (+ {tokenizer_s:.2f} s once per model for its tokenizer); "
+          f"llama.cpp: GBNF conversion + grammar init {gbnf_compile * 1e3:.2f} ms")
+
+
+def grammar_step(grammar, vocab, check_first: bool):
+    """A step function for llama.cpp's grammar sampler: filter every candidate, or (as llama.cpp's
+    common_sampler) check the argmax alone and filter everything only when it is refused."""
+    n_vocab = vocab.n_vocab
+    candidates = (llama_cpp.llama_token_data * n_vocab)()
+    ids = np.ctypeslib.as_array(ctypes.cast(candidates, ctypes.POINTER(ctypes.c_int32)), shape=(n_vocab, 3))
+    logits = np.ctypeslib.as_array(ctypes.cast(candidates, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab, 3))
+    single = (llama_cpp.llama_token_data * 1)()
+    refused = [0]
+
+    def filtered_argmax(row: np.ndarray) -> int:
+        ids[:, 0] = np.arange(n_vocab)
+        logits[:, 1] = row
+        array = llama_cpp.llama_token_data_array(candidates, n_vocab, -1, False)
+        llama_cpp.llama_sampler_apply(grammar, ctypes.byref(array))
+        return int(logits[:, 1].argmax())
+
+    def step(row: np.ndarray) -> int:
+        token = int(row.argmax())
+        if check_first:
+            single[0].id, single[0].logit, single[0].p = token, float(row[token]), 0.0
+            llama_cpp.llama_sampler_apply(grammar, ctypes.byref(llama_cpp.llama_token_data_array(single, 1, -1, False)))
+            if not np.isfinite(single[0].logit):
+                refused[0] += 1
+                token = filtered_argmax(row)
+        else:
+            token = filtered_argmax(row)
+        if vocab.is_eog(token):
+            return -1
+        llama_cpp.llama_sampler_accept(grammar, token)
+        return token
+
+    return step, refused
+
+
+def greedy_path(engine: BatchEngine, prompt_tokens: list[int], step, max_tokens: int = 400) -> tuple[list[float], str]:
+    """Decode greedily, one token a step, with `step` choosing each token from the logits (-1: the
+    end); the seconds each choice took, and the text."""
+    ctx, batch, n_vocab = engine.ctx, engine.batch, engine.vocab.n_vocab
+    ctx.remove_sequence(0)
+    batch.set(prompt_tokens, list(range(len(prompt_tokens))), [0] * len(prompt_tokens), [0] * (len(prompt_tokens) - 1) + [1])
+    ctx.decode(batch)
+    times, tokens = [], []
+    for i in range(max_tokens):
+        row = ctx.output_logits(1, n_vocab)[0]
+        started = time.perf_counter()
+        token = step(row)
+        times.append(time.perf_counter() - started)
+        if token < 0:
+            break
+        tokens.append(token)
+        batch.set([token], [len(prompt_tokens) + i], [0], [1])
+        ctx.decode(batch)
+    return times, engine.vocab.detokenize(tokens)
+
+
+def throughput(args: argparse.Namespace) -> None:
+    """Three sides, alternating: free text, the schema, and free text cut to the lengths the schema's
+    outputs had (the same staggered finishes without masks: the constraint's own cost)."""
+    schema = SCHEMAS["product catalog"]
+    for parallel in map(int, args.parallel.split(",")):
+        prompts = [prompt(TOPICS[i % len(TOPICS)], f"catalog {i}") for i in range(parallel * args.per_slot)]
+        speeds: dict[str, list[float]] = {"free": [], "schema": [], "same lengths": []}
+        with BatchEngine(n_parallel=parallel, n_ctx=parallel * 512) as engine:
+            engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, json_schema=schema))  # tokenizer built
+            lengths = [r.completion_tokens for r in engine.generate(prompts, SamplingParams(temperature=0, max_tokens=64, json_schema=schema))]
+            sides = {
+                "free": SamplingParams(temperature=0, max_tokens=64),
+                "schema": SamplingParams(temperature=0, max_tokens=64, json_schema=schema),
+                "same lengths": [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],
+            }
+            for r in range(args.pairs):
+                for side in list(sides)[r % 3:] + list(sides)[: r % 3]:
+                    engine.drop_cached_prefixes()
+                    engine.reset_stats()
+                    engine.generate(prompts, sides[side])
+                    speeds[side].append(engine.stats.tokens_per_s)
+        med = {side: statistics.median(v) for side, v in speeds.items()}
+        vs_free = statistics.median(c / f for f, c in zip(speeds["free"], speeds["schema"]))
+        vs_same = statistics.median(c / f for f, c in zip(speeds["same lengths"], speeds["schema"]))
+        print(f"--parallel {parallel}: {len(prompts)} prompts, max 64 tokens ({statistics.mean(lengths):.1f} with the schema): "
+              + ", ".join(f"{k} {v:.1f} tok/s" for k, v in med.items())
+              + f"; schema / free {vs_free:.3f}, schema / same lengths {vs_same:.3f} (medians of {args.pairs} rounds)")
+
+
+def validity(args: argparse.Namespace) -> None:
+    with BatchEngine(n_parallel=args.parallel, n_ctx=args.parallel * 1024) as engine:
+        total = valid = 0
+        for name, schema in SCHEMAS.items():
+            prompts = [prompt(topic, name) for topic in TOPICS[: args.prompts]]
+            results = engine.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=768, seed=1, json_schema=schema))
+            ok = 0
+            for r in results:
+                try:
+                    jsonschema.validate(json.loads(r.text), schema)
+                    ok += 1
+                except (json.JSONDecodeError, jsonschema.ValidationError):
+                    print(f"  invalid ({r.finish_reason}): {r.text[:200]!r}")
+            total, valid = total + len(results), valid + ok
+            print(f"{name:>24}: {ok}/{len(results)} valid, {sum(r.completion_tokens for r in results) / len(results):.0f} tokens on average")
+        print(f"{valid}/{total} outputs parse and validate")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    sub.add_parser("engines")
+    t = sub.add_parser("throughput")
+    t.add_argument("--parallel", default="16,32")
+    t.add_argument("--pairs", type=int, default=3)
+    t.add_argument("--per-slot", type=int, default=8, help="prompts per slot: the tail of the last wave weighs less with more")
+    v = sub.add_parser("validity")
+    v.add_argument("--prompts", type=int, default=16)
+    v.add_argument("--parallel", type=int, default=16)
+    v.add_argument("--temperature", type=float, default=0.7)
+    args = parser.parse_args()
+    {"engines": engines, "throughput": throughput, "validity": validity}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
