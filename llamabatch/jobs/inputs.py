@@ -124,6 +124,7 @@ class RequestReader:
         except LlamabatchError:
             self.close()
             raise
+        self.parse = LineParser(self.format, self.base).parse
 
     def close(self) -> None:
         """Close the input file (safe to call twice; reading stops there)."""
@@ -135,6 +136,14 @@ class RequestReader:
             raise LlamabatchError("a RequestReader is read once")
         for n, text in _chain(first, self._lines):
             yield self.parse(n, text)
+
+
+@dataclass(frozen=True)
+class LineParser:
+    """Turns one line of an input in `format` into the request it asks for, or a BadLine."""
+
+    format: Format
+    base: SamplingParams
 
     def parse(self, n: int, text: str | None) -> JobRequest | BadLine:
         if text is None:
@@ -212,14 +221,17 @@ def peek_ids(source: str | Path, fmt: Format) -> Iterator[tuple[str, int]]:
     """(id, line number) of every non-blank line, parsing no more than the id: the quick pass
     before a job that counts its requests and finds duplicate ids."""
     for n, text in numbered_lines(source):
-        if fmt is Format.TEXT or text is None:
-            yield line_id(n), n
-            continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError:
-            yield line_id(n), n
-            continue
-        id_ = obj.get(fmt.id_field, line_id(n)) if isinstance(obj, dict) else line_id(n)
-        yield (id_ if isinstance(id_, str) and id_ else line_id(n)), n
+        yield peek_id(fmt, n, text), n
+
+
+def peek_id(fmt: Format, n: int, text: str | None) -> str:
+    """The id the request on line `n` will have (its line's id when it gives none or cannot run)."""
+    if fmt is Format.TEXT or text is None:
+        return line_id(n)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return line_id(n)
+    id_ = obj.get(fmt.id_field, line_id(n)) if isinstance(obj, dict) else line_id(n)
+    return id_ if isinstance(id_, str) and id_ else line_id(n)
 

@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..engine import BatchEngine, SamplingParams
+from ..engine import SamplingParams
 from ..errors import LlamabatchError
 from .inputs import Format
 
@@ -23,10 +23,10 @@ class Manifest:
         return self.output.with_name(self.output.name + ".manifest.json")
 
     @classmethod
-    def for_job(cls, engine: BatchEngine, fmt: Format, base: SamplingParams, output: Path) -> Manifest:
+    def for_job(cls, model_name: str, model_path: Path, fmt: Format, base: SamplingParams, output: Path) -> Manifest:
         settings = {
-            "model": engine.model_name,
-            "model_bytes": engine.model.path.stat().st_size,
+            "model": model_name,
+            "model_bytes": model_path.stat().st_size,
             "format": fmt.value,
             # OpenAI bodies carry their own sampling fields; the other formats start from these.
             "defaults": None if fmt is Format.OPENAI else json.loads(json.dumps(asdict(base))),

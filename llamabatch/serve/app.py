@@ -54,6 +54,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         worker.stop()
 
     app = FastAPI(title="llamabatch", version=version("llamabatch"), lifespan=lifespan)
+    app.state.worker = worker  # a Ray Serve replica starts and stops it itself (no lifespan there)
     authorized = _authorization(settings.api_key)
     app.openapi = lambda: _openapi(app, worker)
 

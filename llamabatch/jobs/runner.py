@@ -1,0 +1,145 @@
+"""Requests through one engine: a bounded window of them queued, each request's output line
+handed back the moment its last sequence finishes. `llamabatch batch` writes what it hands
+back to files; the Ray stage returns it as rows."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from ..engine import BatchEngine, Sequence, Status
+from ..errors import LlamabatchError
+from ..openai_format import engine_inputs, usage
+from .inputs import BadLine, Format, JobRequest
+from .records import error_record, result_record
+
+WINDOW_PER_SLOT = 2  # sequences queued or running per slot: enough that a freed slot never waits
+IDLE = object()  # what a never-ending source yields when it has nothing now: step on, ask again later
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request's line: its output line when `ok`, else its error line."""
+
+    id: str
+    ok: bool
+    record: dict
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(eq=False)
+class _Open:
+    """A request in the engine: its sequences, and how many have not finished yet."""
+
+    request: JobRequest
+    sequences: list[Sequence] = field(default_factory=list)
+    n_open: int = 0
+
+
+class RequestRunner:
+    """Feeds requests to `engine` and yields an Outcome per request, in completion order."""
+
+    def __init__(self, engine: BatchEngine, fmt: Format, window: int | None = None) -> None:
+        self.engine = engine
+        self.format = fmt
+        self.window = window or WINDOW_PER_SLOT * engine.config.n_parallel
+        self.stop_signals: list[str] = []  # set by signal handlers, acted on between steps
+        self._stopping = False
+        self._open: dict[int, _Open] = {}  # sequence uid -> its request
+        self._n_open_sequences = 0
+        self._created = int(time.time())
+
+    def request_stop(self, reason: str = "stop") -> None:
+        """First call: admit nothing more and let running sequences finish. Second: drop them.
+        Safe from a signal handler: it only records the request."""
+        self.stop_signals.append(reason)
+
+    def run(self, requests: Iterable[JobRequest | BadLine]) -> Iterator[Outcome]:
+        requests = iter(requests)
+        exhausted = False
+        while True:
+            self._act_on_signals()
+            while not (exhausted or self._stopping) and self._n_open_sequences < self.window:
+                item = next(requests, None)
+                if item is None:
+                    exhausted = True
+                elif item is IDLE:
+                    break
+                elif isinstance(item, BadLine):
+                    yield self._failure(item.id, item.line, item.message, item.status)
+                else:
+                    yield from self._submit(item)
+            if not self.engine.has_work:
+                if exhausted or self._stopping:
+                    return
+                continue
+            for event in self.engine.step():
+                if event.finish_reason is not None:
+                    yield from self._finished(event.uid)
+
+    def _act_on_signals(self) -> None:
+        if not self.stop_signals:
+            return
+        if not self._stopping:  # first: requests not yet running are left for a resumed run
+            self._stopping = True
+            self._drop(lambda req: any(s.status is Status.WAITING for s in req.sequences))
+        if len(self.stop_signals) > 1:  # second: drop the running ones too
+            self._drop(lambda req: True)
+
+    def _drop(self, which: Callable[[_Open], bool]) -> None:
+        for req in set(self._open.values()):
+            if which(req):
+                for seq in req.sequences:
+                    self.engine.cancel(seq)
+                    self._open.pop(seq.uid, None)
+                self._n_open_sequences -= req.n_open
+
+    def _submit(self, request: JobRequest) -> Iterator[Outcome]:
+        """Queue the request's prompts; one that cannot run fails the request alone."""
+        req = _Open(request)
+        try:
+            prompts, params = (
+                engine_inputs(request.body, self.engine) if request.body is not None else ([request.prompt], request.params)
+            )
+            for i, prompt in enumerate(prompts):
+                try:
+                    req.sequences += self.engine.add(prompt, params, index=i)
+                except LlamabatchError as e:
+                    raise LlamabatchError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+        except LlamabatchError as e:
+            for seq in req.sequences:
+                self.engine.cancel(seq)
+            yield self._failure(request.id, request.line, str(e), 400)
+            return
+        open_sequences = [seq for seq in req.sequences if seq.finish_reason is None]  # max_tokens 0 ends some at once
+        if not open_sequences:
+            yield self._result(req)
+            return
+        req.n_open = len(open_sequences)
+        self._n_open_sequences += req.n_open
+        for seq in open_sequences:
+            self._open[seq.uid] = req
+
+    def _finished(self, uid: int) -> Iterator[Outcome]:
+        req = self._open.pop(uid, None)
+        if req is None:
+            return
+        req.n_open -= 1
+        self._n_open_sequences -= 1
+        if req.n_open:
+            return
+        failed = next((s for s in req.sequences if s.error), None)
+        if failed is not None:
+            yield self._failure(req.request.id, req.request.line, failed.error, 500)
+        else:
+            yield self._result(req)
+
+    def _result(self, req: _Open) -> Outcome:
+        counted = usage(req.sequences)
+        record = result_record(self.format, req.request, req.sequences, self.engine, self._created)
+        return Outcome(req.request.id, True, record, counted["prompt_tokens"], counted["completion_tokens"])
+
+    def _failure(self, id_: str, line: int, message: str, status: int | None) -> Outcome:
+        return Outcome(id_, False, error_record(self.format, id_, line, message, status))

@@ -1,0 +1,115 @@
+"""Batch jobs on a local Ray instance: every row once, the same lines as one process, an actor
+killed mid-job, resume. Skipped where Ray is not installed (pip install -e ".[ray]")."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")
+
+from llamabatch import BatchEngine, SamplingParams  # noqa: E402
+from llamabatch.jobs import BatchJob  # noqa: E402
+from llamabatch.jobs import ray_stage  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+WORDS = ["river", "castle", "engine", "garden", "winter", "signal", "forest", "market", "violin", "planet"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def prompts_file(path: Path, n: int) -> Path:
+    # Distinct prompts of different lengths, a few of them JSON lines with their own ids and settings.
+    lines = []
+    for i in range(n):
+        words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(1 + i % 7))
+        lines.append(json.dumps({"id": f"req-{i}", "prompt": f"{words} {i}", "max_tokens": 4 + i % 5}))
+    lines.insert(17, "not json")  # a bad line goes to the error file, and the job goes on
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def engine_options(tiny_model: Path) -> dict:
+    return {"model": str(tiny_model), "n_parallel": 8, "n_ctx": 2048}
+
+
+def ids(path: Path, key: str = "id") -> Counter:
+    return Counter(json.loads(line)[key] for line in path.read_text().splitlines())
+
+
+def choices(path: Path) -> dict[str, list]:
+    return {r["id"]: [(c["text"], c["finish_reason"]) for c in r["choices"]] for r in map(json.loads, path.open())}
+
+
+def test_every_row_once_and_the_same_lines_as_one_process(tiny_model, tmp_path):
+    source = prompts_file(tmp_path / "in.jsonl", 500)
+    with BatchEngine(**engine_options(tiny_model)) as engine:
+        single = BatchJob(engine, source, tmp_path / "single.jsonl", base=GREEDY).run()
+    job = ray_stage.RayBatchJob(engine_options(tiny_model), source, tmp_path / "ray.jsonl", replicas=2, threads=1, base=GREEDY)
+    summary = job.run()
+    assert (summary.done, summary.failed, summary.total) == (single.done, single.failed, 501) == (500, 1, 501)
+    written = ids(tmp_path / "ray.jsonl")
+    assert set(written) == {f"req-{i}" for i in range(500)} and max(written.values()) == 1
+    assert choices(tmp_path / "ray.jsonl") == choices(tmp_path / "single.jsonl")
+    error = json.loads((tmp_path / "ray.jsonl.errors.jsonl").read_text())
+    assert error["id"] == "line-18" and "not valid JSON" in error["error"]["message"]
+    assert summary.completion_tokens == single.completion_tokens
+
+
+def test_resume_on_ray_skips_what_the_output_holds(tiny_model, tmp_path):
+    source = prompts_file(tmp_path / "in.jsonl", 200)
+    out = tmp_path / "out.jsonl"
+    with BatchEngine(**engine_options(tiny_model)) as engine:
+        BatchJob(engine, source, out, base=GREEDY).run()
+    full = choices(out)
+    kept = out.read_text().splitlines()[:120]
+    out.write_text("\n".join(kept) + "\n" + kept[120 - 1][:25])  # and a torn line, as a kill leaves
+    summary = ray_stage.RayBatchJob(engine_options(tiny_model), source, out, replicas=1, threads=2, base=GREEDY).run()
+    assert summary.skipped == 120 + 1  # the bad line's error was recorded too
+    assert summary.done == 80 and summary.failed == 0
+    assert max(ids(out).values()) == 1 and choices(out) == full
+
+
+def predictor_processes() -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any("BatchPredictor" in part for part in p.info["cmdline"] or []):
+            found.append(p)
+    return found
+
+
+def test_an_actor_killed_mid_job_loses_no_row_and_writes_none_twice(tiny_model, tmp_path):
+    source = prompts_file(tmp_path / "in.jsonl", 800)
+    out = tmp_path / "out.jsonl"
+    slow = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)  # long enough to kill it mid-job
+    job = ray_stage.RayBatchJob(engine_options(tiny_model), source, out, replicas=2, threads=1, base=slow)
+    result = {}
+    runner = threading.Thread(target=lambda: result.setdefault("summary", job.run()))
+    runner.start()
+    deadline = time.monotonic() + 120
+    while (not out.exists() or not out.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    victims = predictor_processes()
+    assert victims, "no BatchPredictor actor process found"
+    os.kill(victims[0].pid, signal.SIGKILL)
+    killed_after = len(out.read_text().splitlines())
+    runner.join(timeout=300)
+    summary = result["summary"]
+    written = ids(out)
+    assert killed_after < 800, "the job ended before the kill: nothing was tested"
+    assert set(written) == {f"req-{i}" for i in range(800)} and max(written.values()) == 1
+    assert summary.done == 800 and summary.failed == 1
+    print(f"killed actor pid {victims[0].pid} after {killed_after} lines; the job wrote {len(written)} ids once each")
