@@ -6,6 +6,8 @@ import functools
 import json
 import math
 import shlex
+import signal
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -45,6 +47,10 @@ KvUnifiedOpt = Annotated[Optional[bool], typer.Option("--kv-unified/--no-kv-unif
 DeterministicOpt = Annotated[
     Optional[bool], typer.Option("--deterministic", help="Same output alone or in any batch (CPU; slower prefill, see README).")
 ]
+SpeculativeOpt = Annotated[
+    Optional[str], typer.Option("--speculative", help="'ngram': greedy sequences draft tokens by prompt lookup, verified in the same decode; 'off'.")
+]
+DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Most draft tokens per sequence and step (8).")]
 SharePrefixesOpt = Annotated[
     Optional[bool], typer.Option("--share-prefixes/--no-share-prefixes", help="Copy common prompt prefixes' KV instead of decoding them again.")
 ]
@@ -118,6 +124,8 @@ def run(
     kv_unified: KvUnifiedOpt = None,
     share_prefixes: SharePrefixesOpt = None,
     deterministic: DeterministicOpt = None,
+    speculative: SpeculativeOpt = None,
+    draft_max: DraftMaxOpt = None,
     chat: ChatOpt = None,
     stream: Annotated[bool, typer.Option(help="Show each sequence's text live.")] = False,
     json_out: JsonOpt = False,
@@ -139,7 +147,7 @@ def run(
     with BatchEngine(
         model, catalog=config, n_parallel=n_parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
         n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
-        deterministic=deterministic, chat=chat, verbose=verbose,
+        deterministic=deterministic, speculative=speculative, draft_max=draft_max, chat=chat, verbose=verbose,
     ) as engine:
         sequences = engine.submit(prompts, params)
         _drive(engine, sequences, live=stream and not json_out)
@@ -252,7 +260,13 @@ def batch(
     kv_unified: KvUnifiedOpt = None,
     share_prefixes: SharePrefixesOpt = None,
     deterministic: DeterministicOpt = None,
+    speculative: SpeculativeOpt = None,
+    draft_max: DraftMaxOpt = None,
     chat: ChatOpt = None,
+    ray: Annotated[Optional[str], typer.Option(
+        "--ray", metavar="ADDRESS", help="Run on a Ray cluster: 'local' (a Ray instance on this machine), 'auto' (the running cluster) or ray://host:port.",
+    )] = None,
+    replicas: Annotated[str, typer.Option("--replicas", help="With --ray: engines (Ray actors), or 'auto': one per GPU, else one per node.")] = "1",
     json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as one JSON object.")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -265,18 +279,24 @@ def batch(
         seed=seed, stop=stop and tuple(stop), ignore_eos=ignore_eos, n=n, **_constraint(json_schema, grammar, regex, choice),
     )
     given = {k: v for k, v in given.items() if v is not None}
-    with BatchEngine(
-        model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
+    base = SamplingParams(**given) if given else None
+    engine_options = dict(
+        model=model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
         n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
-        deterministic=deterministic, chat=chat, verbose=verbose,
-    ) as engine:
-        job = BatchJob(engine, input, output, errors=errors, base=SamplingParams(**given) if given else None,
-                       retry_errors=retry_errors, overwrite=overwrite)
-        with stop_on_signals(job), display.BatchProgress(job.summary) as progress:
-            job.on_progress = progress.update
-            summary = job.run()
+        deterministic=deterministic, speculative=speculative, draft_max=draft_max, chat=chat, verbose=verbose,
+    )
+    if ray is not None:
+        summary, job = _batch_on_ray(ray, replicas, engine_options, input, output, errors, base, retry_errors, overwrite)
+        described = {"model": job.model[0], "replicas": replicas, "ray": ray}
+    else:
+        with BatchEngine(**engine_options) as engine:
+            job = BatchJob(engine, input, output, errors=errors, base=base, retry_errors=retry_errors, overwrite=overwrite)
+            with stop_on_signals(job), display.BatchProgress(job.summary) as progress:
+                job.on_progress = progress.update
+                summary = job.run()
+        described = {"model": engine.model_name, "parallel": engine.config.n_parallel}
     if json_out:
-        display.json_line({"summary": {"model": engine.model_name, "parallel": engine.config.n_parallel, **summary.to_dict()}})
+        display.json_line({"summary": {**described, **summary.to_dict()}})
     else:
         display.batch_summary(summary, job.output, job.errors)
     if not summary.complete:
@@ -288,6 +308,24 @@ def batch(
     if summary.failed:
         display.error_line(f"{summary.failed} requests failed: see {job.errors}")
         raise typer.Exit(1)
+
+
+def _batch_on_ray(
+    address: str, replicas: str, engine_options: dict, input: str, output: Path, errors: Path | None,
+    base: SamplingParams | None, retry_errors: bool, overwrite: bool,
+):
+    try:
+        from .jobs import ray_stage
+    except ImportError as e:
+        raise LlamabatchError(f"--ray needs Ray: pip install 'llamabatch[ray]' ({e})") from None
+    from .jobs.batch_job import stop_on_signals
+
+    threads = engine_options.pop("n_threads")
+    job = ray_stage.RayBatchJob(engine_options, input, output, address=address, replicas=replicas, threads=threads, errors=errors,
+                                base=base, retry_errors=retry_errors, overwrite=overwrite)
+    with stop_on_signals(job), display.BatchProgress(job.summary) as progress:
+        job.on_progress = progress.update
+        return job.run(), job
 
 
 def _command_line(context: typer.Context, drop: set[str]) -> str:
@@ -424,6 +462,7 @@ def sweep(
     gpu_layers: GpuLayersOpt = None,
     kv_unified: Annotated[bool, typer.Option("--kv-unified/--no-kv-unified", help="One KV buffer shared by all sequences.")] = False,
     deterministic: DeterministicOpt = None,
+    speculative: SpeculativeOpt = None,
     json_out: JsonOpt = False,
     csv: Annotated[Optional[Path], typer.Option("--csv", help="Also write the table to this CSV file.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw throughput and latency against B into this PNG.")] = None,
@@ -437,6 +476,7 @@ def sweep(
         batch_sizes=_int_list(batch_sizes, "--batch-sizes"), prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
         shared_prompt=shared_prompt, repeat=repeat, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
         n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, deterministic=bool(deterministic),
+        speculative=speculative or "off",
     )
     if "native" in baselines:
         sweep_bench.native_tool()  # fail now, not after minutes of measuring
@@ -459,7 +499,7 @@ def _sweep(
         model, catalog=config, n_parallel=max(sizes), n_ctx=settings.context, n_batch=settings.n_batch,
         n_ubatch=settings.n_ubatch, n_threads=settings.n_threads, gpu_layers=settings.gpu_layers,
         kv_unified=settings.kv_unified, share_prefixes=settings.shared_prompt and not settings.deterministic,
-        deterministic=settings.deterministic, verbose=verbose,
+        deterministic=settings.deterministic, speculative=settings.speculative, verbose=verbose,
     ) as engine, display.SweepView(engine.model_name, settings, engine.config.n_threads, n_steps, live=not json_out) as view:
         points = []
         for point in sweep_bench.sweep(engine, settings, native="native" in baselines):
@@ -493,6 +533,10 @@ def serve(
     gpu_layers: GpuLayersOpt = None,
     kv_unified: KvUnifiedOpt = None,
     deterministic: DeterministicOpt = None,
+    speculative: SpeculativeOpt = None,
+    draft_max: DraftMaxOpt = None,
+    replicas: Annotated[Optional[int], typer.Option("--replicas", help="Engines behind the endpoint, on Ray Serve (prefix-aware routing).")] = None,
+    ray: Annotated[str, typer.Option("--ray", metavar="ADDRESS", help="With --replicas: 'local', 'auto' (the running cluster) or ray://host:port.")] = "local",
     verbose: VerboseOpt = False,
 ) -> None:
     """An OpenAI-compatible server: concurrent requests share the running batch."""
@@ -503,11 +547,42 @@ def serve(
     Catalog.load(config).resolve(model).gguf_path()  # an unknown model or a missing file fails here, not in a thread
     engine = dict(
         model=model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
-        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, deterministic=deterministic, verbose=verbose,
+        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, deterministic=deterministic,
+        speculative=speculative, draft_max=draft_max, verbose=verbose,
     )
-    app = create_app(ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout))
+    settings = ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout)
+    if replicas is not None:
+        _serve_replicas(settings, replicas, ray, host, port)
+        return
+    app = create_app(settings)
     display.err.print(f"llamabatch serving on http://{host}:{port}/v1 (Ctrl-C stops)")
     uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
+
+
+def _serve_replicas(settings: ServerSettings, replicas: int, address: str, host: str, port: int) -> None:
+    try:
+        from .jobs.ray_stage import connect
+        from .serve.replicas import deploy
+    except ImportError as e:
+        raise LlamabatchError(f"--replicas needs Ray: pip install 'llamabatch[ray]' ({e})") from None
+    import ray
+    from ray import serve
+
+    if replicas < 1:
+        raise LlamabatchError(f"--replicas must be at least 1, got {replicas}")
+    connect(address)
+    engine = settings.engine
+    threads = engine["n_threads"] or max(1, int(ray.cluster_resources().get("CPU", 1)) // replicas)
+    slots = engine["n_parallel"] or Catalog.load(engine["catalog"]).resolve(engine["model"]).parallel
+    deploy(settings, replicas, threads, host, port, slots)
+    display.err.print(f"llamabatch serving {replicas} replicas on http://{host}:{port}/v1 (Ctrl-C stops)")
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    serve.shutdown()
+    ray.shutdown()
 
 
 @command

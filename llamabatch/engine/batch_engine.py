@@ -19,6 +19,7 @@ from .results import Event, Result, RunStats, Score
 from .sampling import GreedySampler, SamplingParams, build_sampler, score_rows, token_logprob
 from .scheduler import LONE_ROW_MAX_CELLS, Filler, Scheduler
 from .sequence import Sequence, Status
+from .speculation import DraftPlanner, DraftSampler
 
 KV_FULL = 1  # llama_decode's "no free KV slot"
 # Logits a step may ask for when prompts are scored (each row is a vocabulary of floats): 256
@@ -47,6 +48,8 @@ class BatchEngine:
         kv_unified: bool | None = None,
         share_prefixes: bool | None = None,
         deterministic: bool | None = None,
+        speculative: str | None = None,
+        draft_max: int | None = None,
         chat: bool | None = None,
         verbose: bool = False,
     ) -> None:
@@ -54,7 +57,7 @@ class BatchEngine:
         self.config = EngineConfig.for_model(
             spec, n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
             n_threads=n_threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
-            deterministic=deterministic, chat=chat, verbose=verbose,
+            deterministic=deterministic, speculative=speculative, draft_max=draft_max, chat=chat, verbose=verbose,
         )
         self.model_name = spec.name
         self.chat_template = spec.chat_template  # a llama.cpp built-in for GGUFs without one
@@ -88,6 +91,7 @@ class BatchEngine:
             max_outputs=LOGITS_BUDGET_BYTES // (4 * self.vocab.n_vocab),
         )
         self.grammars = Grammars(self.vocab)
+        self.planner = DraftPlanner(cfg.draft_max) if cfg.speculative != "off" else None
         self.stats = RunStats()
         self._next_index = 0
         self._uids = itertools.count()
@@ -180,6 +184,7 @@ class BatchEngine:
         started = time.perf_counter()
         for seq in self.scheduler.admit():
             self._take_cached_prefix(seq)
+        drafted = self._propose_drafts() if self.planner is not None else None  # None: nothing planned
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -193,8 +198,12 @@ class BatchEngine:
         due: list[Sequence] = []
         for seq in scheduled:
             self._advance(seq, due, logits)
+        tokens_before = self.stats.completion_tokens
         events = self._sample(due, logits)
-        self.stats.record_step(started, time.perf_counter())
+        ended = time.perf_counter()
+        self.stats.record_step(started, ended)
+        if drafted is not None and self.batch.n_outputs == self.batch.n_tokens:  # a pure decode step
+            self.planner.observe(drafted, self.stats.completion_tokens - tokens_before, ended - started)
         return events
 
     def run(self) -> Iterator[Event]:
@@ -262,6 +271,24 @@ class BatchEngine:
 
     # -- inside a step ---------------------------------------------------------------
 
+    def _propose_drafts(self) -> bool | None:
+        """Drafts for generating sequences that can verify them (greedy, or sampled without
+        penalties; not constrained), as the planner allows: whether any was made (None when
+        there was nothing to plan)."""
+        generating = [s for s in self.scheduler.running if len(s.tokens) - s.n_past == 1 and s.leader is None]
+        eligible = [s for s in generating if s.matcher is None and (isinstance(s.sampler, GreedySampler) or s.params.verifiable)]
+        if not eligible:
+            return None
+        for seq in eligible:
+            if seq.lookup is None:
+                seq.lookup = self.planner.lookup()
+        grants = self.planner.plan(len(generating), [s.lookup for s in eligible])
+        for seq, k in zip(eligible, grants):
+            # The bonus token after the drafts must fit max_tokens and the context too.
+            k = min(k, seq.params.max_tokens - seq.n_generated - 1, self.ctx.n_ctx_seq - len(seq.tokens) - 1)
+            seq.draft = seq.lookup.propose(seq.tokens, k) if k > 0 else []
+        return any(seq.draft for seq in eligible)
+
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """Keep the part of the slot's cached KV the scheduler matched (if still usable), drop the rest."""
         seq.n_past = self.ctx.reusable(seq.seq_id, seq.n_past)
@@ -289,7 +316,7 @@ class BatchEngine:
         seq_ids: list[int] = []
         logits: list[int] = []
         self._output_row = {}
-        scoring = False
+        scoring = drafting = False
         for row in rows:
             if isinstance(row, Filler):
                 tokens.append(0)
@@ -299,6 +326,15 @@ class BatchEngine:
                 continue
             start, n = row.n_past, row.n_chunk
             row.chunk_row = len(tokens)
+            if row.draft:  # its last token and the drafts after it, each with logits to verify it
+                drafting = True
+                tokens.append(row.tokens[start])
+                tokens += row.draft
+                pos += range(start, start + n)
+                seq_ids += [row.seq_id] * n
+                logits += [1] * n
+                row.i_batch = len(tokens) - 1
+                continue
             if n == 1:  # most rows are one token (decoding): no slices and ranges for them
                 tokens.append(row.tokens[start])
                 pos.append(start)
@@ -319,7 +355,7 @@ class BatchEngine:
             if row.i_batch >= 0:
                 logits[-1] = 1
                 self._output_row[row.i_batch] = len(self._output_row)
-        if scoring or (self._filler_logits and fillers):  # other rows ask for logits too: count them all
+        if scoring or drafting or (self._filler_logits and fillers):  # other rows ask for logits too: count them all
             self._output_row = {i: k for k, i in enumerate(i for i, flag in enumerate(logits) if flag)}
         self.batch.set(tokens, pos, seq_ids, logits)
 
@@ -369,6 +405,9 @@ class BatchEngine:
             if seq.params.max_tokens == 0:
                 events.append(self._finish(seq, None, "", "length"))
                 continue
+            if seq.draft:
+                events += self._verify(seq, best, logits)
+                continue
             if seq.matcher is not None and r in shared:
                 token = self._sample_masked_copy(seq, logits[r])
             else:
@@ -376,6 +415,39 @@ class BatchEngine:
             if seq.params.logprobs is not None:  # the model's own distribution, before any mask
                 seq.logprobs.append(token_logprob(raw.get(seq.uid, logits[r]), token, seq.params.logprobs))
             events.append(self._accept(seq, token))
+        return events
+
+    def _verify(self, seq: Sequence, best: np.ndarray | None, logits: np.ndarray) -> list[Event]:
+        """Keep the drafts up to the first the model refuses, then the model's own token there:
+        greedy, the drafts its argmax agrees with; sampled, by rejection sampling (DraftSampler).
+        The rejected drafts' KV is forgotten. Tokens are accepted one by one, so EOS, stop
+        strings and max_tokens cut the run exactly where a step each would have."""
+        draft, seq.draft = seq.draft, []
+        k = len(draft)
+        first = self._output_row[seq.chunk_row]
+        if isinstance(seq.sampler, GreedySampler):
+            picks = [int(t) for t in best[first : first + k + 1]]
+            n_ok = 0
+            while n_ok < k and picks[n_ok] == draft[n_ok]:
+                n_ok += 1
+            picks = picks[: n_ok + 1]
+        else:
+            if seq.draft_sampler is None:
+                seq.draft_sampler = DraftSampler(seq.params)
+            picks, n_ok = seq.draft_sampler.verify(logits[first : first + k + 1], draft)
+        seq.n_past -= k - n_ok  # the decode took all k + 1 tokens in; the rejected ones go
+        if n_ok < k:
+            self.ctx.remove_sequence(seq.seq_id, from_pos=seq.n_past)
+        self.planner.record(seq.lookup, k, n_ok)  # acceptance rates, which plan the next drafts
+        self.stats.draft_tokens += k
+        self.stats.draft_accepted += n_ok
+        events = []
+        for j, token in enumerate(picks):
+            if seq.params.logprobs is not None:
+                seq.logprobs.append(token_logprob(logits[first + j], token, seq.params.logprobs))
+            events.append(self._accept(seq, token))
+            if events[-1].finish_reason is not None:
+                break
         return events
 
     def _mask_constrained(self, due: list[Sequence], rows: list[int], shared: set[int], logits: np.ndarray) -> dict[int, np.ndarray]:
@@ -425,7 +497,7 @@ class BatchEngine:
         if seq.status is Status.RUNNING and not self.config.share_prefixes:
             self.ctx.remove_sequence(seq.seq_id)
         self.scheduler.release(seq)
-        seq.sampler.close()
+        seq.close_samplers()
         return self._event(seq, token, text, reason, error)
 
     @staticmethod
@@ -438,6 +510,7 @@ class BatchEngine:
         preempting the newest sequence, or (alone) cutting it short."""
         for seq in scheduled:  # drop whatever part of the batch llama.cpp did store
             self.ctx.remove_sequence(seq.seq_id, from_pos=seq.n_past)
+            seq.draft = []
         if self.ctx.kv_unified and self.scheduler.has_cached_prefixes:  # cells the batch can use: retry
             self.drop_cached_prefixes()
             return []
@@ -457,8 +530,7 @@ class BatchEngine:
     def close(self) -> None:
         """Free every native handle: samplers of unfinished sequences, batch, context, then model."""
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            if seq.sampler is not None:
-                seq.sampler.close()
+            seq.close_samplers()
         self.batch.close()
         self.ctx.close()
         self.model.close()

@@ -30,6 +30,11 @@ class EngineConfig:
     kv_unified: bool = True
     share_prefixes: bool = True  # copy common prompt prefixes' KV instead of decoding them again
     deterministic: bool = False  # a sequence's output does not depend on what else is in the batch
+    # Speculative decoding ("ngram": prompt lookup, or "off"): sequences propose up to draft_max
+    # tokens each, verified in the step's one decode, as many as the measured cost of a row
+    # says will pay (speculation.DraftPlanner; README, "Speculative decoding").
+    speculative: str = "off"
+    draft_max: int = 8
     chat: bool = False
     verbose: bool = False
 
@@ -79,5 +84,11 @@ class EngineConfig:
             yield "--deterministic copies no prompt prefixes: drop --share-prefixes"
         if self.deterministic and self.gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload():
             yield "--deterministic is verified on CPU builds only: add --gpu-layers 0"
+        if self.speculative not in ("off", "ngram"):
+            yield f"--speculative must be 'ngram' or 'off', got {self.speculative!r}"
+        if self.deterministic and self.speculative != "off":
+            yield "--deterministic decodes one token per sequence a step: drop --speculative"
+        if self.draft_max < 1:
+            yield f"--draft-max must be >= 1, got {self.draft_max}"
         if self.gpu_layers < -1:
             yield f"gpu_layers must be -1 (all) or >= 0, got {self.gpu_layers}"

@@ -396,6 +396,9 @@ class Batch(_Owner):
         return [rows[i][0] for i in range(self.n_tokens)]
 
 
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
+
+
 class SamplerChain(_Owner):
     """A llama.cpp sampler chain; samplers added to it become the chain's to free."""
 
@@ -416,3 +419,17 @@ class SamplerChain(_Owner):
     def sample(self, ctx: Context, row: int) -> int:
         """Sample from the logits of batch row `row`, and record the token in the chain."""
         return llama_cpp.llama_sampler_sample(self.handle, ctx.handle, row)
+
+    def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The chain applied to a row of logits (a chain without a draw): the candidate token
+        ids that remain and their probabilities, as the chain's samplers leave them."""
+        cells = np.zeros(len(logits), dtype=_TOKEN_DATA)
+        cells["id"] = np.arange(len(logits), dtype=np.int32)
+        cells["logit"] = logits
+        array = llama_cpp.llama_token_data_array(
+            cells.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), len(cells), -1, False
+        )
+        llama_cpp.llama_sampler_apply(self.handle, ctypes.byref(array))
+        kept = cells[: array.size]
+        weights = np.exp(kept["logit"].astype(np.float64) - kept["logit"].max())
+        return kept["id"].copy(), weights / weights.sum()

@@ -100,6 +100,8 @@ class RunStats:
     sequence_slots: int = 0  # sum over decode calls of the sequences in the batch
     preemptions: int = 0  # sequences sent back to the queue because the KV cache was full
     prompt_tokens_reused: int = 0  # prompt tokens whose KV came from another sequence or a slot's cache
+    draft_tokens: int = 0  # speculative tokens verified
+    draft_accepted: int = 0  # of which the model agreed with
     first_step_at: float | None = None
     last_step_at: float | None = None
 
@@ -122,6 +124,10 @@ class RunStats:
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        return self.draft_accepted / self.draft_tokens if self.draft_tokens else 0.0
+
     def summary(self) -> dict:
         return {
             "prompt_tokens_evaluated": self.prompt_tokens_evaluated,
@@ -130,6 +136,9 @@ class RunStats:
             "decode_calls": self.decode_calls,
             "mean_active_sequences": round(self.mean_active_sequences, 3),
             "preemptions": self.preemptions,
+            "draft_tokens": self.draft_tokens,
+            "draft_acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_decode": round(self.completion_tokens / self.decode_calls, 3) if self.decode_calls else 0.0,
             "wall_s": round(self.wall_s, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
         }

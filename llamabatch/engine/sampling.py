@@ -100,6 +100,12 @@ class SamplingParams:
         ]
 
     @property
+    def verifiable(self) -> bool:
+        """Sampled without penalties: speculative drafts can be verified by rejection sampling
+        (penalties would make each draft's distribution depend on the drafts before it)."""
+        return self.temperature > 0 and not self.uses_penalties
+
+    @property
     def uses_penalties(self) -> bool:
         return (self.repeat_penalty, self.presence_penalty, self.frequency_penalty) != (1.0, 0.0, 0.0)
 
@@ -140,6 +146,21 @@ def build_sampler(params: SamplingParams, n_vocab: int, n_ctx: int) -> GreedySam
     if params.temperature == 0:
         chain.add(llama_cpp.llama_sampler_init_greedy())
         return chain
+    _add_truncation(chain, params)
+    seed = llama_cpp.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
+    chain.add(llama_cpp.llama_sampler_init_dist(seed))
+    return chain
+
+
+def build_truncation(params: SamplingParams) -> SamplerChain:
+    """build_sampler's chain without penalties and the draw: what turns a row of logits into the
+    distribution a sampled sequence draws from (verifying speculative drafts needs it whole)."""
+    chain = SamplerChain()
+    _add_truncation(chain, params)
+    return chain
+
+
+def _add_truncation(chain: SamplerChain, params: SamplingParams) -> None:
     if params.top_k > 0:
         chain.add(llama_cpp.llama_sampler_init_top_k(params.top_k))
     if params.top_p < 1:
@@ -147,9 +168,6 @@ def build_sampler(params: SamplingParams, n_vocab: int, n_ctx: int) -> GreedySam
     if params.min_p > 0:
         chain.add(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
     chain.add(llama_cpp.llama_sampler_init_temp(params.temperature))
-    seed = llama_cpp.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
-    chain.add(llama_cpp.llama_sampler_init_dist(seed))
-    return chain
 
 
 def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:

@@ -122,7 +122,9 @@ class Scheduler:
             return self._isolated(generating, prefilling)
         budget, outputs = self.n_batch - len(generating), len(generating)
         for seq in generating:
-            seq.n_chunk = 1
+            seq.n_chunk = 1 + len(seq.draft)  # its last token, and any speculative ones after it
+            budget -= len(seq.draft)
+            outputs += len(seq.draft)
         scheduled = list(generating)
         for seq in prefilling:
             if budget == 0:

@@ -11,6 +11,7 @@ import numpy as np
 from .native import SamplerChain
 from .results import PromptScore, Result, Timings, TokenLogprob
 from .sampling import GreedySampler, SamplingParams
+from .speculation import DraftSampler, NgramLookup
 from .text import TextStream
 
 
@@ -51,6 +52,9 @@ class Sequence:
     scored: PromptScore = field(default_factory=PromptScore)
     chunk_row: int = -1  # batch row of the current chunk's first token
     matcher: object | None = None  # an llguidance matcher when the output is constrained
+    lookup: NgramLookup | None = None  # speculative decoding: where its drafts come from
+    draft_sampler: DraftSampler | None = None  # and, when it samples, how they are verified
+    draft: list[int] = field(default_factory=list)  # tokens proposed after the last one, this step
     # Prefix sharing: a follower waits (unscheduled) until its leader has n_shared tokens in
     # the KV cache, then gets them copied instead of decoding them itself.
     leader: Sequence | None = None
@@ -96,6 +100,12 @@ class Sequence:
     def prefix_cap(self) -> int | None:
         """Where this sequence's prefill must pause so followers can copy its prefix."""
         return min((f.n_shared for f in self.followers), default=None)
+
+    def close_samplers(self) -> None:
+        """Free the native samplers this sequence owns (safe to call again)."""
+        for sampler in (self.sampler, self.draft_sampler):
+            if sampler is not None:
+                sampler.close()
 
     def chunk(self) -> list[int]:
         return self.tokens[self.n_past : self.n_past + self.n_chunk]

@@ -13,18 +13,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..engine import BatchEngine, SamplingParams, Sequence, Status
+from ..engine import BatchEngine, SamplingParams
 from ..errors import LlamabatchError
-from ..openai_format import engine_inputs, usage
 from .inputs import STDIN, BadLine, Format, JobRequest, RequestReader, peek_ids
 from .ledger import IdSet, JsonlLog, digest, find_duplicate
 from .manifest import Manifest
-from .records import error_record, result_record
-
-WINDOW_PER_SLOT = 2  # sequences queued or running per slot: enough that a freed slot never waits
+from .runner import Outcome, RequestRunner
 
 
 @dataclass
@@ -39,6 +36,8 @@ class JobSummary:
     completion_tokens: int = 0
     decode_calls: int = 0
     mean_active_sequences: float = 0.0
+    draft_tokens: int = 0  # speculative decoding: drafts verified, and the share kept
+    draft_acceptance: float = 0.0
     wall_s: float = 0.0
     stopped_by: str | None = None  # the signal that stopped the job before its end
 
@@ -52,20 +51,11 @@ class JobSummary:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 2), "wall_s": round(self.wall_s, 3),
-                "mean_active_sequences": round(self.mean_active_sequences, 3)}
+                "mean_active_sequences": round(self.mean_active_sequences, 3), "draft_acceptance": round(self.draft_acceptance, 4)}
 
 
 class _Stopped(Exception):
     """A stop signal arrived before the job started decoding."""
-
-
-@dataclass(eq=False)
-class _Open:
-    """A request in the engine: its sequences, and how many have not finished yet."""
-
-    request: JobRequest
-    sequences: list[Sequence] = field(default_factory=list)
-    n_open: int = 0
 
 
 class BatchJob:
@@ -89,6 +79,15 @@ class BatchJob:
         on_progress: Callable[[JobSummary], None] | None = None,
     ) -> None:
         self.engine = engine
+        self._setup(input, output, errors, base, retry_errors, overwrite, on_progress)
+        self.runner = RequestRunner(engine, self.format, window)
+        self.model = (engine.model_name, engine.model.path)
+
+    def _setup(
+        self, input: str | Path, output: str | Path, errors: str | Path | None, base: SamplingParams | None,
+        retry_errors: bool, overwrite: bool, on_progress: Callable[[JobSummary], None] | None,
+    ) -> None:
+        """What every job has, wherever its requests run: the input, the output files, resuming."""
         self.input = input
         self.output = Path(output)
         self.errors = Path(errors) if errors is not None else self.output.with_name(self.output.name + ".errors.jsonl")
@@ -105,43 +104,58 @@ class BatchJob:
         self.base = base or SamplingParams()
         self.retry_errors = retry_errors
         self.overwrite = overwrite
-        self.window = window or WINDOW_PER_SLOT * engine.config.n_parallel
         self.on_progress = on_progress or (lambda summary: None)
         self.summary = JobSummary(total=None)
         self._out = JsonlLog(self.output)
         self._err = JsonlLog(self.errors)
-        self._open: dict[int, _Open] = {}  # sequence uid -> its request
-        self._n_open_sequences = 0
-        self._stop_signals: list[str] = []  # set by signal handlers, acted on between steps
-        self._stopping = False
-        self._created = int(time.time())
-
-    # -- stopping (safe to call from a signal handler: it only records the request) ----------
+        self.stop_signals: list[str] = []
 
     def request_stop(self, reason: str = "stop") -> None:
-        """First call: admit nothing more and let running sequences finish. Second: drop them."""
-        self._stop_signals.append(reason)
+        """First call: admit nothing more and let running sequences finish. Second: drop them.
+        Safe from a signal handler: it only records the request."""
+        self.stop_signals.append(reason)
+        self.runner.request_stop(reason)
 
     # -- the run -------------------------------------------------------------------------
 
     def run(self) -> JobSummary:
         started = time.perf_counter()
-        stats_before = (self.engine.stats.decode_calls, self.engine.stats.sequence_slots)
+        stats = self.engine.stats
+        stats_before = (stats.decode_calls, stats.sequence_slots, stats.draft_tokens, stats.draft_accepted)
         try:
             self.summary.total = self._check_ids()
-            self._loop(self._not_done(self._resume()))
+            for outcome in self._outcomes(self._resume()):
+                self._record(outcome)
         except _Stopped:
             pass
         finally:
             self.reader.close()
             self._out.close()
             self._err.close()
-            s, (calls, slots) = self.summary, stats_before
-            s.stopped_by = self._stop_signals[0] if self._stop_signals else None
+            s, (calls, slots, drafted, accepted) = self.summary, stats_before
+            s.stopped_by = self.stop_signals[0] if self.stop_signals else None
             s.wall_s = time.perf_counter() - started
-            s.decode_calls = self.engine.stats.decode_calls - calls
-            s.mean_active_sequences = (self.engine.stats.sequence_slots - slots) / s.decode_calls if s.decode_calls else 0.0
+            s.decode_calls = stats.decode_calls - calls
+            s.mean_active_sequences = (stats.sequence_slots - slots) / s.decode_calls if s.decode_calls else 0.0
+            s.draft_tokens = stats.draft_tokens - drafted
+            s.draft_acceptance = (stats.draft_accepted - accepted) / s.draft_tokens if s.draft_tokens else 0.0
         return self.summary
+
+    def _outcomes(self, done: IdSet) -> Iterator[Outcome]:
+        """Every request not in `done`, answered (where the Ray job sends them to its actors)."""
+        return self.runner.run(self._not_done(done))
+
+    def _record(self, outcome: Outcome) -> None:
+        s = self.summary
+        if outcome.ok:
+            self._out.write(outcome.record)
+            s.done += 1
+            s.prompt_tokens += outcome.prompt_tokens
+            s.completion_tokens += outcome.completion_tokens
+        else:
+            self._err.write(outcome.record)
+            s.failed += 1
+        self.on_progress(s)
 
     def _check_ids(self) -> int | None:
         """Count the input's requests and refuse a repeated id before any work (not for stdin).
@@ -151,7 +165,7 @@ class BatchJob:
 
         def pairs() -> Iterator[tuple[str, int]]:
             for pair in peek_ids(self.input, self.format):
-                if self._stop_signals:
+                if self.stop_signals:
                     raise _Stopped
                 yield pair
 
@@ -163,7 +177,7 @@ class BatchJob:
 
     def _resume(self) -> IdSet:
         """Open the output files, and return the ids a run before this one already answered."""
-        manifest = Manifest.for_job(self.engine, self.format, self.base, self.output)
+        manifest = Manifest.for_job(*self.model, self.format, self.base, self.output)
         if self.overwrite:
             manifest.write()
             self._out.open(fresh=True)
@@ -192,98 +206,6 @@ class BatchJob:
                     item = BadLine(item.id, item.line, f"duplicate id {item.id!r}: an earlier line has it")
                 seen.add(key)
             yield item
-
-    def _loop(self, requests: Iterator[JobRequest | BadLine]) -> None:
-        exhausted = False
-        while True:
-            self._act_on_signals()
-            while not (exhausted or self._stopping) and self._n_open_sequences < self.window:
-                item = next(requests, None)
-                if item is None:
-                    exhausted = True
-                elif isinstance(item, BadLine):
-                    self._fail(item.id, item.line, item.message, item.status)
-                else:
-                    self._submit(item)
-            if not self.engine.has_work:
-                if exhausted or self._stopping:
-                    break
-                continue
-            finished = [e for e in self.engine.step() if e.finish_reason is not None]
-            for event in finished:
-                self._finished(event.uid)
-            if finished:
-                self.on_progress(self.summary)
-
-    def _act_on_signals(self) -> None:
-        if not self._stop_signals:
-            return
-        if not self._stopping:  # first: requests not yet running are left for a resumed run
-            self._stopping = True
-            self._drop(lambda req: any(s.status is Status.WAITING for s in req.sequences))
-        if len(self._stop_signals) > 1:  # second: drop the running ones too
-            self._drop(lambda req: True)
-
-    def _drop(self, which: Callable[[_Open], bool]) -> None:
-        for req in set(self._open.values()):
-            if which(req):
-                for seq in req.sequences:
-                    self.engine.cancel(seq)
-                    self._open.pop(seq.uid, None)
-                self._n_open_sequences -= req.n_open
-
-    # -- one request -------------------------------------------------------------------
-
-    def _submit(self, request: JobRequest) -> None:
-        """Queue the request's prompts; one that cannot run fails the request alone."""
-        req = _Open(request)
-        try:
-            prompts, params = (
-                engine_inputs(request.body, self.engine) if request.body is not None else ([request.prompt], request.params)
-            )
-            for i, prompt in enumerate(prompts):
-                try:
-                    req.sequences += self.engine.add(prompt, params, index=i)
-                except LlamabatchError as e:
-                    raise LlamabatchError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
-        except LlamabatchError as e:
-            for seq in req.sequences:
-                self.engine.cancel(seq)
-            self._fail(request.id, request.line, str(e), 400)
-            return
-        open_sequences = [seq for seq in req.sequences if seq.finish_reason is None]  # max_tokens 0 ends some at once
-        if not open_sequences:
-            self._write(req)
-            return
-        req.n_open = len(open_sequences)
-        self._n_open_sequences += req.n_open
-        for seq in open_sequences:
-            self._open[seq.uid] = req
-
-    def _finished(self, uid: int) -> None:
-        req = self._open.pop(uid, None)
-        if req is None:
-            return
-        req.n_open -= 1
-        self._n_open_sequences -= 1
-        if req.n_open:
-            return
-        failed = next((s for s in req.sequences if s.error), None)
-        if failed is not None:
-            self._fail(req.request.id, req.request.line, failed.error, 500)
-        else:
-            self._write(req)
-
-    def _write(self, req: _Open) -> None:
-        self._out.write(result_record(self.format, req.request, req.sequences, self.engine, self._created))
-        counted = usage(req.sequences)
-        self.summary.done += 1
-        self.summary.prompt_tokens += counted["prompt_tokens"]
-        self.summary.completion_tokens += counted["completion_tokens"]
-
-    def _fail(self, id_: str, line: int, message: str, status: int | None) -> None:
-        self._err.write(error_record(self.format, id_, line, message, status))
-        self.summary.failed += 1
 
 
 @contextmanager

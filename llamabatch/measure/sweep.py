@@ -38,6 +38,7 @@ class SweepSettings:
     gpu_layers: int | None = None
     kv_unified: bool = False
     deterministic: bool = False
+    speculative: str = "off"
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -55,7 +56,8 @@ class SweepSettings:
     @property
     def describe_kv(self) -> str:
         return (("unified" if self.kv_unified else "per-sequence") + " KV" + (", shared prompt" if self.shared_prompt else "")
-                + (", deterministic" if self.deterministic else ""))
+                + (", deterministic" if self.deterministic else "")
+                + (f", speculative {self.speculative}" if self.speculative != "off" else ""))
 
     def n_kv(self, b: int) -> int:
         """llama-batched-bench's N_KV: the tokens the batch puts in the KV cache."""
@@ -81,6 +83,8 @@ class SweepPoint:
     tpot_p99_s: float
     kv_bytes: int  # the KV cache a context sized for this batch allocates
     peak_rss_bytes: int
+    draft_acceptance: float = 0.0  # speculative tokens the model agreed with / those verified
+    tokens_per_decode: float = 1.0  # tokens sampled per llama_decode, prefill steps included
     speedup: float = 1.0  # S_TG / S_TG at the smallest batch size
     efficiency: float = 1.0  # speedup / (B / smallest B)
     sequential_s_tg: float | None = None
@@ -113,6 +117,7 @@ def measure(engine: BatchEngine, settings: SweepSettings, b: int, seed: int = 0)
     # TG + 1 tokens: the first is sampled by the prefill, then TG steps decode B tokens each.
     params = SamplingParams(temperature=0, max_tokens=tg + 1, ignore_eos=True)
     engine.drop_cached_prefixes()  # as llama-batched-bench clears its cache before each batch
+    engine.reset_stats()
     reset_peak_rss()
     if settings.shared_prompt:
         sequences = engine.submit(random_prompts(1, pp, engine.vocab.n_vocab, seed), replace(params, n=b))
@@ -137,6 +142,8 @@ def measure(engine: BatchEngine, settings: SweepSettings, b: int, seed: int = 0)
         **latency_percentiles(sequences),
         kv_bytes=KvShape.of(engine.model).kv_bytes(b * (pp + tg + 1), b, settings.kv_unified, engine.config.n_ubatch),
         peak_rss_bytes=peak_rss(),
+        draft_acceptance=engine.stats.acceptance_rate,
+        tokens_per_decode=engine.stats.completion_tokens / engine.stats.decode_calls,
     )
 
 

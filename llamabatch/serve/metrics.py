@@ -24,6 +24,10 @@ class Metrics:
         self.failed = Counter("llamabatch_requests_failed", "Requests refused, cancelled or timed out", registry=r)
         self.prompt_tokens = Counter("llamabatch_prompt_tokens", "Prompt tokens of finished sequences", registry=r)
         self.generated_tokens = Counter("llamabatch_generated_tokens", "Tokens sampled", registry=r)
+        # Speculative decoding, read from the engine's counters when scraped.
+        self.drafted = Gauge("llamabatch_draft_tokens", "Speculative tokens verified", registry=r)
+        self.accepted = Gauge("llamabatch_draft_tokens_accepted", "Speculative tokens the model agreed with", registry=r)
+        self.tokens_per_decode = Gauge("llamabatch_tokens_per_decode", "Tokens sampled per llama_decode call", registry=r)
         self.active = Histogram(
             "llamabatch_active_sequences_per_decode", "Sequences in each llama_decode call",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
@@ -37,6 +41,12 @@ class Metrics:
         self.running.set_function(lambda: worker.running)
         self.queued.set_function(lambda: worker.queued)
         self.kv_cells.set_function(lambda: sum(s.n_past for s in worker.engine.scheduler.running) if worker.engine else 0)
+        stats = lambda: worker.engine.stats if worker.engine else None  # noqa: E731
+        self.drafted.set_function(lambda: stats().draft_tokens if stats() else 0)
+        self.accepted.set_function(lambda: stats().draft_accepted if stats() else 0)
+        self.tokens_per_decode.set_function(
+            lambda: stats().completion_tokens / stats().decode_calls if stats() and stats().decode_calls else 0
+        )
 
     def observer(self) -> Observer:
         return Observer(on_step=self._on_step, on_token=self._on_token, on_finish=self._on_finish)
