@@ -53,6 +53,20 @@ def test_greedy_output_is_identical_with_and_without_speculation(make_engine, kv
     assert stats.completion_tokens / stats.decode_calls > 1.0  # more than a token per sequence per step somewhere
 
 
+def test_drafts_never_overflow_the_batch(make_engine):
+    """Four short prompts generating together, each granted 8 drafts (36 rows), with n_batch 16:
+    drafts are cut to the room left beside the decode rows (without that cut the batch
+    overflowed), and the output stays what decoding without them gives."""
+    params = SamplingParams(temperature=0, max_tokens=200)
+    prompts = [p[-60:] for p in PROMPTS[:4]]
+    with make_engine(n_parallel=4, n_ctx=8192, n_batch=16) as plain:
+        expected = outputs(plain, params, prompts)
+    with make_engine(n_parallel=4, n_ctx=8192, n_batch=16, speculative="ngram") as fast:
+        fast.planner.plan = lambda n_rows, lookups: [8] * len(lookups)
+        assert_same(outputs(fast, params, prompts), expected)
+        assert fast.stats.draft_tokens > 0
+
+
 def test_eos_inside_an_accepted_run_ends_the_sequence_there(make_engine, tiny_eos_model):
     params = SamplingParams(temperature=0, max_tokens=40)
     with make_engine(tiny_eos_model, n_parallel=4, n_ctx=2048) as plain:

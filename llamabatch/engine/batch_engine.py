@@ -185,7 +185,9 @@ class BatchEngine:
         for seq in self.scheduler.admit():
             self._take_cached_prefix(seq)
         drafted = self._propose_drafts() if self.planner is not None else None  # None: nothing planned
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(reserved=sum(len(s.draft) for s in drafted) if drafted else 0)
+        for seq in drafted or ():
+            seq.n_chunk += len(seq.draft)  # its last token, then the drafts
         if not scheduled:
             return []
         try:
@@ -203,7 +205,7 @@ class BatchEngine:
         ended = time.perf_counter()
         self.stats.record_step(started, ended)
         if drafted is not None and self.batch.n_outputs == self.batch.n_tokens:  # a pure decode step
-            self.planner.observe(drafted, self.stats.completion_tokens - tokens_before, ended - started)
+            self.planner.observe(bool(drafted), self.stats.completion_tokens - tokens_before, ended - started)
         return events
 
     def run(self) -> Iterator[Event]:
@@ -271,10 +273,10 @@ class BatchEngine:
 
     # -- inside a step ---------------------------------------------------------------
 
-    def _propose_drafts(self) -> bool | None:
+    def _propose_drafts(self) -> list[Sequence] | None:
         """Drafts for generating sequences that can verify them (greedy, or sampled without
-        penalties; not constrained), as the planner allows: whether any was made (None when
-        there was nothing to plan)."""
+        penalties; not constrained), as the planner allows and the batch has room: the
+        sequences that got one (None when there was nothing to plan)."""
         generating = [s for s in self.scheduler.running if len(s.tokens) - s.n_past == 1 and s.leader is None]
         eligible = [s for s in generating if s.matcher is None and (isinstance(s.sampler, GreedySampler) or s.params.verifiable)]
         if not eligible:
@@ -283,11 +285,16 @@ class BatchEngine:
             if seq.lookup is None:
                 seq.lookup = self.planner.lookup()
         grants = self.planner.plan(len(generating), [s.lookup for s in eligible])
+        room = self.ctx.n_batch - len(generating)  # draft rows must fit the batch beside every decode row
+        drafted = []
         for seq, k in zip(eligible, grants):
             # The bonus token after the drafts must fit max_tokens and the context too.
-            k = min(k, seq.params.max_tokens - seq.n_generated - 1, self.ctx.n_ctx_seq - len(seq.tokens) - 1)
+            k = min(k, room, seq.params.max_tokens - seq.n_generated - 1, self.ctx.n_ctx_seq - len(seq.tokens) - 1)
             seq.draft = seq.lookup.propose(seq.tokens, k) if k > 0 else []
-        return any(seq.draft for seq in eligible)
+            if seq.draft:
+                room -= len(seq.draft)
+                drafted.append(seq)
+        return drafted
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """Keep the part of the slot's cached KV the scheduler matched (if still usable), drop the rest."""

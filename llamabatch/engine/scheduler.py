@@ -107,8 +107,9 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
-    def schedule(self) -> list[Sequence]:
-        """The sequences for the next batch, each with n_chunk set; decoders first, then prefill."""
+    def schedule(self, reserved: int = 0) -> list[Sequence]:
+        """The sequences for the next batch, each with n_chunk set; decoders first, then prefill.
+        `reserved` rows (speculative drafts, which also want logits) are kept out of the budget."""
         generating, prefilling = [], []
         for seq in self.running:  # one pass, no properties: this runs every step
             if len(seq.tokens) - seq.n_past > 1:
@@ -120,11 +121,9 @@ class Scheduler:
                     self._leaders.remove(seq)
         if self.batch_invariant:
             return self._isolated(generating, prefilling)
-        budget, outputs = self.n_batch - len(generating), len(generating)
+        budget, outputs = self.n_batch - len(generating) - reserved, len(generating) + reserved
         for seq in generating:
-            seq.n_chunk = 1 + len(seq.draft)  # its last token, and any speculative ones after it
-            budget -= len(seq.draft)
-            outputs += len(seq.draft)
+            seq.n_chunk = 1
         scheduled = list(generating)
         for seq in prefilling:
             if budget == 0:
