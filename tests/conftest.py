@@ -99,3 +99,17 @@ def serve(tiny_model):
     for server, thread in servers:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def base(serve) -> str:
+    """A server with the default settings (4 slots), one per test module."""
+    return serve()
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    """The official openai client, talking to `base`."""
+    import openai  # a test dependency; imported here so conftest loads without it
+
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)

@@ -53,9 +53,8 @@ def reference_greedy(
         llama_cpp.llama_model_free(model)
 
 
-def reference_prompt_logprobs(model_path, tokens: list[int], *, n_ctx: int = 2048, n_threads: int = 2) -> list[tuple[float, bool]]:
-    """For each token after the first: its log-probability given the ones before it, and whether
-    it was (one of) the most likely; the whole list decoded alone in one batch, logits on every row."""
+def _logits_alone(model_path, tokens: list[int], rows: list[int], *, n_ctx: int, n_threads: int) -> list[np.ndarray]:
+    """The whole list decoded alone in one batch: the logits of each of `rows` (copies)."""
     mparams = llama_cpp.llama_model_default_params()
     model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
     cparams = llama_cpp.llama_context_default_params()
@@ -64,42 +63,32 @@ def reference_prompt_logprobs(model_path, tokens: list[int], *, n_ctx: int = 204
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+    wanted = set(rows)
     try:
         for i, token in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, 1
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, i in wanted
             batch.seq_id[i][0] = 0
         batch.n_tokens = len(tokens)
         assert llama_cpp.llama_decode(ctx, batch) == 0
-        out = []
-        for i in range(len(tokens) - 1):
-            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).astype(np.float64)
-            log_total = row.max() + np.log(np.exp(row - row.max()).sum())
-            out.append((float(row[tokens[i + 1]] - log_total), bool(row[tokens[i + 1]] >= row.max())))
-        return out
+        return [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy() for i in rows]
     finally:
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
+
+
+def reference_prompt_logprobs(model_path, tokens: list[int], *, n_ctx: int = 2048, n_threads: int = 2) -> list[tuple[float, bool]]:
+    """For each token after the first: its log-probability given the ones before it, and whether
+    it was (one of) the most likely; the whole list decoded alone in one batch, logits on every row."""
+    rows = _logits_alone(model_path, tokens, list(range(len(tokens) - 1)), n_ctx=n_ctx, n_threads=n_threads)
+    out = []
+    for row, target in zip(rows, tokens[1:]):
+        row = row.astype(np.float64)
+        log_total = row.max() + np.log(np.exp(row - row.max()).sum())
+        out.append((float(row[target] - log_total), bool(row[target] >= row.max())))
+    return out
 
 
 def reference_next_logits(model_path, tokens: list[int], *, n_ctx: int = 2048, n_threads: int = 2) -> np.ndarray:
     """The logits after the whole list, decoded alone."""
-    mparams = llama_cpp.llama_model_default_params()
-    model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
-    cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch, cparams.n_seq_max = n_ctx, len(tokens), len(tokens), 1
-    cparams.n_threads = cparams.n_threads_batch = n_threads
-    ctx = llama_cpp.llama_init_from_model(model, cparams)
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-    batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
-    try:
-        for i, token in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, i == len(tokens) - 1
-            batch.seq_id[i][0] = 0
-        batch.n_tokens = len(tokens)
-        assert llama_cpp.llama_decode(ctx, batch) == 0
-        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, len(tokens) - 1), shape=(n_vocab,)).copy()
-    finally:
-        llama_cpp.llama_batch_free(batch)
-        llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
+    return _logits_alone(model_path, tokens, [len(tokens) - 1], n_ctx=n_ctx, n_threads=n_threads)[0]

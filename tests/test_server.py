@@ -19,16 +19,6 @@ from llamabatch.serve.app import ServerSettings, create_app
 from conftest import free_port
 
 
-@pytest.fixture(scope="module")
-def base(serve) -> str:
-    return serve()
-
-
-@pytest.fixture(scope="module")
-def client(base) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-
-
 def metric(base: str, name: str) -> float:
     for line in httpx.get(f"{base}/metrics").text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):

@@ -18,16 +18,6 @@ from reference import reference_prompt_logprobs
 
 
 @pytest.fixture(scope="module")
-def base(serve) -> str:
-    return serve(n_parallel=4)
-
-
-@pytest.fixture(scope="module")
-def client(base) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def tokens(tiny_model) -> list[list[int]]:
     with BatchEngine(tiny_model, n_parallel=1, n_ctx=512) as engine:
         return [engine.vocab.tokenize(t, add_special=False) for t in ("the capital of France is Paris", "Once upon a time")]

@@ -26,16 +26,6 @@ class Verdict(BaseModel):
     score: int = Field(ge=0, le=9)
 
 
-@pytest.fixture(scope="module")
-def base(serve) -> str:
-    return serve(n_parallel=4)
-
-
-@pytest.fixture(scope="module")
-def client(base) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-
-
 def post(base: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{base}{path}", json=body, timeout=30)
 

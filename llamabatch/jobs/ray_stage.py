@@ -100,8 +100,8 @@ class BatchPredictor:
         requests = [self.parser.parse(int(n), text) for n, text in zip(batch["line"], batch["text"])]
         self._pending.extend(requests)
         mine = [r.id for r in requests]
-        while any(id_ not in self._answered for id_ in mine):
-            with self._driving:
+        while True:
+            with self._driving:  # another call may have answered ours while this one waited
                 if all(id_ in self._answered for id_ in mine):
                     break
                 outcome = next(self._outcomes)
@@ -145,6 +145,7 @@ class RayBatchJob(BatchJob):
         self.reader.close()  # the read task opens the file itself
         spec = Catalog.load(engine.get("catalog")).resolve(engine.get("model"))
         self.model = (spec.name, spec.gguf_path())  # the driver checks the model exists before the cluster loads it
+        self.parallel = engine.get("n_parallel") or spec.parallel
         self.engine_options = engine
         self.address = address
         self.replicas = replicas
@@ -182,12 +183,11 @@ class RayBatchJob(BatchJob):
         # actors may hold every core (on one machine a reserved CPU would wait for them forever).
         here = {"ray.io/node-id": ray.get_runtime_context().get_node_id()}
         dataset = ray.data.read_datasource(JobLines(Path(self.input), self.format, done), num_cpus=0, label_selector=here)
-        parallel = engine.get("n_parallel") or Catalog.load(engine.get("catalog")).resolve(engine.get("model")).parallel
         answered = dataset.map_batches(
             BatchPredictor,
             fn_constructor_kwargs={"format": self.format.value, "engine": engine,
                                    "base": None if self.format is Format.OPENAI else asdict(self.base)},
-            batch_size=ROWS_PER_SLOT * parallel,
+            batch_size=ROWS_PER_SLOT * self.parallel,
             compute=ray.data.ActorPoolStrategy(size=replicas, max_tasks_in_flight_per_actor=BATCHES_IN_FLIGHT),
             max_concurrency=BATCHES_IN_FLIGHT,
             num_cpus=threads,

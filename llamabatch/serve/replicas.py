@@ -131,14 +131,9 @@ def front_app(engines: DeploymentHandle) -> type:
             status, headers = await chunks.__anext__()
             content_type = dict(headers).pop("content-type", None)
             passed = {k: v for k, v in headers if k not in ("content-length", "content-type")}
-            return StreamingResponse(_rest(chunks), status_code=status, headers=passed, media_type=content_type)
+            return StreamingResponse(chunks, status_code=status, headers=passed, media_type=content_type)
 
     return Front
-
-
-async def _rest(chunks) -> AsyncIterator[bytes]:
-    async for chunk in chunks:
-        yield chunk
 
 
 def deploy(settings: ServerSettings, replicas: int, threads: int, host: str, port: int, slots: int) -> None:
