@@ -47,7 +47,7 @@ KvUnifiedOpt = Annotated[Optional[bool], typer.Option("--kv-unified/--no-kv-unif
 DeterministicOpt = Annotated[
     Optional[bool], typer.Option("--deterministic", help="Same output alone or in any batch (CPU; slower prefill, see README).")
 ]
-ParallelOpt = Annotated[Optional[int], typer.Option("--parallel", "-np", help="Sequences decoded together (slots).")]
+SlotsOpt = Annotated[Optional[int], typer.Option("--parallel", "-np", help="Sequences decoded together (slots).")]
 SpeculativeOpt = Annotated[
     Optional[str], typer.Option("--speculative", help="'ngram': greedy sequences draft tokens by prompt lookup, verified in the same decode; 'off'.")
 ]
@@ -252,7 +252,7 @@ def batch(
     grammar: GrammarOpt = None,
     regex: RegexOpt = None,
     choice: ChoiceOpt = None,
-    parallel: ParallelOpt = None,
+    parallel: SlotsOpt = None,
     ctx: CtxOpt = None,
     batch_size: BatchOpt = None,
     ubatch_size: UbatchOpt = None,
@@ -354,7 +354,7 @@ def score(
     bos: Annotated[bool, typer.Option("--bos/--no-bos", help="Start every text and context with the BOS token.")] = True,
     model: ModelOpt = None,
     config: CatalogOpt = None,
-    parallel: ParallelOpt = None,
+    parallel: SlotsOpt = None,
     ctx: CtxOpt = None,
     batch_size: BatchOpt = None,
     ubatch_size: UbatchOpt = None,
@@ -521,7 +521,7 @@ def _sweep(
 def serve(
     model: ModelOpt = None,
     config: CatalogOpt = None,
-    parallel: ParallelOpt = None,
+    parallel: SlotsOpt = None,
     ctx: CtxOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,

@@ -31,12 +31,12 @@ def local_ray():
     ray.shutdown()
 
 
-def prompts_file(path: Path, n: int) -> Path:
+def prompts_file(path: Path, n: int, min_tokens: int = 4) -> Path:
     # Distinct prompts of different lengths, a few of them JSON lines with their own ids and settings.
     lines = []
     for i in range(n):
         words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(1 + i % 7))
-        lines.append(json.dumps({"id": f"req-{i}", "prompt": f"{words} {i}", "max_tokens": 4 + i % 5}))
+        lines.append(json.dumps({"id": f"req-{i}", "prompt": f"{words} {i}", "max_tokens": min_tokens + i % 5}))
     lines.insert(17, "not json")  # a bad line goes to the error file, and the job goes on
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -92,24 +92,25 @@ def predictor_processes() -> list[psutil.Process]:
 
 
 def test_an_actor_killed_mid_job_loses_no_row_and_writes_none_twice(tiny_model, tmp_path):
-    source = prompts_file(tmp_path / "in.jsonl", 800)
+    source = prompts_file(tmp_path / "in.jsonl", 800, min_tokens=120)  # long enough to kill an actor mid-job
     out = tmp_path / "out.jsonl"
-    slow = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)  # long enough to kill it mid-job
-    job = ray_stage.RayBatchJob(engine_options(tiny_model), source, out, replicas=2, threads=1, base=slow)
+    job = ray_stage.RayBatchJob(engine_options(tiny_model), source, out, replicas=2, threads=1, base=GREEDY)
     result = {}
     runner = threading.Thread(target=lambda: result.setdefault("summary", job.run()))
     runner.start()
     deadline = time.monotonic() + 120
-    while (not out.exists() or not out.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    while not predictor_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(2.0)  # the actors have loaded the model and are generating (the job takes ~10 s)
     victims = predictor_processes()
     assert victims, "no BatchPredictor actor process found"
     os.kill(victims[0].pid, signal.SIGKILL)
-    killed_after = len(out.read_text().splitlines())
+    mid_job = runner.is_alive()
+    killed_after = len(out.read_text().splitlines()) if out.exists() else 0
     runner.join(timeout=300)
     summary = result["summary"]
     written = ids(out)
-    assert killed_after < 800, "the job ended before the kill: nothing was tested"
+    assert mid_job and killed_after < 800, "the job ended before the kill: nothing was tested"
     assert set(written) == {f"req-{i}" for i in range(800)} and max(written.values()) == 1
     assert summary.done == 800 and summary.failed == 1
     print(f"killed actor pid {victims[0].pid} after {killed_after} lines; the job wrote {len(written)} ids once each")
