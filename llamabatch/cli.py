@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -23,6 +23,9 @@ from .engine.native import Model, init_backend
 from .errors import LlamabatchError
 from .jobs.prompts import gather_prompts
 from .measure import sweep as sweep_bench
+
+if TYPE_CHECKING:  # the server's imports load only when serving
+    from .serve.app import ServerSettings
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -49,9 +52,12 @@ DeterministicOpt = Annotated[
 ]
 SlotsOpt = Annotated[Optional[int], typer.Option("--parallel", "-np", help="Sequences decoded together (slots).")]
 SpeculativeOpt = Annotated[
-    Optional[str], typer.Option("--speculative", help="'ngram': greedy sequences draft tokens by prompt lookup, verified in the same decode; 'off'.")
+    Optional[str], typer.Option("--speculative", help="'ngram': sequences draft tokens by prompt lookup, verified in the same decode; 'draft': a draft model drafts them; 'off'.")
 ]
-DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Most draft tokens per sequence and step (8).")]
+DraftModelOpt = Annotated[
+    Optional[str], typer.Option("--draft-model", metavar="NAME|PATH", help="A smaller model with the same vocabulary that drafts tokens (turns on --speculative draft).")
+]
+DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Most draft tokens per sequence and step (15).")]
 SharePrefixesOpt = Annotated[
     Optional[bool], typer.Option("--share-prefixes/--no-share-prefixes", help="Copy common prompt prefixes' KV instead of decoding them again.")
 ]
@@ -126,6 +132,7 @@ def run(
     share_prefixes: SharePrefixesOpt = None,
     deterministic: DeterministicOpt = None,
     speculative: SpeculativeOpt = None,
+    draft_model: DraftModelOpt = None,
     draft_max: DraftMaxOpt = None,
     chat: ChatOpt = None,
     stream: Annotated[bool, typer.Option(help="Show each sequence's text live.")] = False,
@@ -148,7 +155,8 @@ def run(
     with BatchEngine(
         model, catalog=config, n_parallel=n_parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
         n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
-        deterministic=deterministic, speculative=speculative, draft_max=draft_max, chat=chat, verbose=verbose,
+        deterministic=deterministic, speculative=speculative, draft_model=draft_model, draft_max=draft_max, chat=chat,
+        verbose=verbose,
     ) as engine:
         sequences = engine.submit(prompts, params)
         _drive(engine, sequences, live=stream and not json_out)
@@ -262,6 +270,7 @@ def batch(
     share_prefixes: SharePrefixesOpt = None,
     deterministic: DeterministicOpt = None,
     speculative: SpeculativeOpt = None,
+    draft_model: DraftModelOpt = None,
     draft_max: DraftMaxOpt = None,
     chat: ChatOpt = None,
     ray: Annotated[Optional[str], typer.Option(
@@ -284,7 +293,8 @@ def batch(
     engine_options = dict(
         model=model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
         n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
-        deterministic=deterministic, speculative=speculative, draft_max=draft_max, chat=chat, verbose=verbose,
+        deterministic=deterministic, speculative=speculative, draft_model=draft_model, draft_max=draft_max, chat=chat,
+        verbose=verbose,
     )
     if ray is not None:
         summary, job = _batch_on_ray(ray, replicas, engine_options, input, output, errors, base, retry_errors, overwrite)
@@ -464,6 +474,7 @@ def sweep(
     kv_unified: Annotated[bool, typer.Option("--kv-unified/--no-kv-unified", help="One KV buffer shared by all sequences.")] = False,
     deterministic: DeterministicOpt = None,
     speculative: SpeculativeOpt = None,
+    draft_model: DraftModelOpt = None,
     json_out: JsonOpt = False,
     csv: Annotated[Optional[Path], typer.Option("--csv", help="Also write the table to this CSV file.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw throughput and latency against B into this PNG.")] = None,
@@ -477,7 +488,7 @@ def sweep(
         batch_sizes=_int_list(batch_sizes, "--batch-sizes"), prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
         shared_prompt=shared_prompt, repeat=repeat, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
         n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, deterministic=bool(deterministic),
-        speculative=speculative or "off",
+        speculative=speculative or ("draft" if draft_model else "off"), draft_model=draft_model,
     )
     if "native" in baselines:
         sweep_bench.native_tool()  # fail now, not after minutes of measuring
@@ -500,7 +511,8 @@ def _sweep(
         model, catalog=config, n_parallel=max(sizes), n_ctx=settings.context, n_batch=settings.n_batch,
         n_ubatch=settings.n_ubatch, n_threads=settings.n_threads, gpu_layers=settings.gpu_layers,
         kv_unified=settings.kv_unified, share_prefixes=settings.shared_prompt and not settings.deterministic,
-        deterministic=settings.deterministic, speculative=settings.speculative, verbose=verbose,
+        deterministic=settings.deterministic, speculative=settings.speculative, draft_model=settings.draft_model,
+        verbose=verbose,
     ) as engine, display.SweepView(engine.model_name, settings, engine.config.n_threads, n_steps, live=not json_out) as view:
         points = []
         for point in sweep_bench.sweep(engine, settings, native="native" in baselines):
@@ -535,6 +547,7 @@ def serve(
     kv_unified: KvUnifiedOpt = None,
     deterministic: DeterministicOpt = None,
     speculative: SpeculativeOpt = None,
+    draft_model: DraftModelOpt = None,
     draft_max: DraftMaxOpt = None,
     replicas: Annotated[Optional[int], typer.Option("--replicas", help="Engines behind the endpoint, on Ray Serve (prefix-aware routing).")] = None,
     ray: Annotated[str, typer.Option("--ray", metavar="ADDRESS", help="With --replicas: 'local', 'auto' (the running cluster) or ray://host:port.")] = "local",
@@ -545,11 +558,12 @@ def serve(
 
     from .serve.app import ServerSettings, create_app
 
-    Catalog.load(config).resolve(model).gguf_path()  # an unknown model or a missing file fails here, not in a thread
+    for name in (model, draft_model) if draft_model else (model,):  # an unknown model or a missing file fails here, not in a thread
+        Catalog.load(config).resolve(name).gguf_path()
     engine = dict(
         model=model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
         n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, deterministic=deterministic,
-        speculative=speculative, draft_max=draft_max, verbose=verbose,
+        speculative=speculative, draft_model=draft_model, draft_max=draft_max, verbose=verbose,
     )
     settings = ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout)
     if replicas is not None:

@@ -1,15 +1,17 @@
 #!/usr/bin/env python
-"""Speculative decoding (n-gram prompt lookup) against none, on the default model.
+"""Speculative decoding (n-gram prompt lookup, a draft model) against none, on the default model.
 
 grounded   16 prompts "Copy the following text, fixing its spelling:" with 200-400-token
            passages (misspelt words every so often), greedy, --max-tokens 192, at B = 1 and 4
 open       stories from short prompts, greedy, 64 tokens, at B = 16 and 32
 
-Each (workload, B) runs both modes in one engine process each, alternating over --repeat rounds;
-generated tokens/s is the engine's (steps' wall time), the median is printed with the acceptance
-rate and tokens per llama_decode. Outputs are compared token for token (greedy: they must match).
+Each (workload, B) runs every mode in an engine of its own, alternating the order over --repeat
+rounds; generated tokens/s is the engine's (steps' wall time, drafting included), the median is
+printed with the acceptance rate and tokens per llama_decode. Outputs are compared token for token.
+`--modes off,draft --draft-model PATH` measures a draft model; `--force-drafts K` makes every
+sequence draft K tokens every step (the planner's choice taken away: the raw cost of drafting).
 
-    python scripts/bench_speculative.py [--repeat 2] [--model NAME] [--json]
+    python scripts/bench_speculative.py [--repeat 2] [--model NAME] [--modes off,ngram] [--cases grounded:1,open:16]
 """
 
 from __future__ import annotations
@@ -65,8 +67,11 @@ def open_prompts(n: int) -> list[str]:
     return [f"{STORY_STARTS[i % len(STORY_STARTS)]} ({i})," for i in range(n)]
 
 
-def measure(model: str | None, prompts: list[str], parallel: int, speculative: str, max_tokens: int) -> dict:
-    with BatchEngine(model, n_parallel=parallel, n_ctx=parallel * 1024, speculative=speculative) as engine:
+def measure(args: argparse.Namespace, prompts: list[str], parallel: int, mode: str, max_tokens: int) -> dict:
+    draft_model = args.draft_model if mode == "draft" else None
+    with BatchEngine(args.model, n_parallel=parallel, n_ctx=parallel * 1024, speculative=mode, draft_model=draft_model) as engine:
+        if args.force_drafts and engine.planner is not None:
+            engine.planner.plan = lambda n_rows, states: [args.force_drafts] * len(states)
         engine.generate(prompts[:parallel], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         engine.drop_cached_prefixes()
         engine.reset_stats()
@@ -80,26 +85,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model")
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--modes", default="off,ngram", help="'off' first, then the modes it is compared with")
+    parser.add_argument("--draft-model", help="for the 'draft' mode")
+    parser.add_argument("--force-drafts", type=int, default=0)
+    parser.add_argument("--cases", default="grounded:1,grounded:4,open:16,open:32")
     args = parser.parse_args()
-    cases = [("grounded", grounded_prompts(), 1, 192), ("grounded", grounded_prompts(), 4, 192),
-             ("open", open_prompts(64), 16, 64), ("open", open_prompts(64), 32, 64)]
-    rows = []
-    for name, prompts, parallel, max_tokens in cases:
-        runs = {"off": [], "ngram": []}
+    modes = args.modes.split(",")
+    workloads = {"grounded": (grounded_prompts(), 192), "open": (open_prompts(64), 64)}
+    for case in args.cases.split(","):
+        name, parallel = case.split(":")
+        prompts, max_tokens = workloads[name]
+        runs = {m: [] for m in modes}
         for r in range(args.repeat):
-            for mode in (("off", "ngram") if r % 2 == 0 else ("ngram", "off")):
-                runs[mode].append(measure(args.model, prompts, parallel, mode, max_tokens))
+            for mode in modes[r % len(modes):] + modes[: r % len(modes)]:  # a different mode first each round
+                runs[mode].append(measure(args, prompts, int(parallel), mode, max_tokens))
                 print(f"{name} B={parallel} {mode}: {runs[mode][-1]['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-        off, on = (statistics.median(x["tok_s"] for x in runs[m]) for m in ("off", "ngram"))
-        row = {"workload": name, "B": parallel, "off_tok_s": round(off, 1), "ngram_tok_s": round(on, 1),
-               "speedup": round(on / off, 3), "acceptance": round(runs["ngram"][0]["acceptance"], 3),
-               "tokens_per_decode_off": round(runs["off"][0]["tokens_per_decode"], 2),
-               "tokens_per_decode_ngram": round(runs["ngram"][0]["tokens_per_decode"], 2),
-               "drafted": runs["ngram"][0]["drafted"],
-               "identical": all(x["tokens"] == runs["off"][0]["tokens"] for x in runs["off"] + runs["ngram"])}
-        rows.append(row)
-        print(json.dumps(row) if args.json else "  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+        rate = {m: statistics.median(x["tok_s"] for x in runs[m]) for m in modes}
+        row = {"workload": name, "B": int(parallel), **{f"{m}_tok_s": round(rate[m], 1) for m in modes}}
+        for m in modes[1:]:
+            first = runs[m][0]
+            row[m] = {"speedup": round(rate[m] / rate[modes[0]], 3), "acceptance": round(first["acceptance"], 3),
+                      "drafted": first["drafted"], "tokens_per_decode": round(first["tokens_per_decode"], 2),
+                      "identical": all(x["tokens"] == runs[modes[0]][0]["tokens"] for x in runs[m])}
+        row["tokens_per_decode_off"] = round(runs[modes[0]][0]["tokens_per_decode"], 2)
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

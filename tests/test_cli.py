@@ -37,6 +37,24 @@ def test_run_json_has_one_line_per_prompt_then_a_summary(tiny_model):
     assert summary["wall_s"] > 0 and summary["tokens_per_s"] > 0
 
 
+def test_run_with_a_draft_model_reports_its_drafts_and_keeps_the_output(tiny_model):
+    """The tiny model drafting for itself: same completions as without, drafts counted in the summary."""
+    args = ["run", "-m", tiny_model, "-p", "hello", "-p", "the capital of France is", "--max-tokens", 40,
+            "--temperature", 0, "--ignore-eos", "--parallel", 2, "--ctx", 1024, "--json"]
+    plain, drafted = invoke(*args), invoke(*args, "--draft-model", tiny_model, "--draft-max", 4)
+    assert plain.exit_code == 0 and drafted.exit_code == 0, drafted.output
+    texts = [[c["text"] for c in json_lines(r.stdout)[:-1]] for r in (plain, drafted)]
+    assert texts[0] == texts[1]
+    summary = json_lines(drafted.stdout)[-1]["summary"]
+    assert summary["draft_tokens"] >= 8 and summary["draft_acceptance_rate"] > 0.9
+    assert summary["tokens_per_decode"] > json_lines(plain.stdout)[-1]["summary"]["tokens_per_decode"]
+
+
+def test_a_draft_model_that_does_not_exist_is_named(tiny_model, tmp_path):
+    result = invoke("run", "-m", tiny_model, "-p", "hello", "--draft-model", tmp_path / "nope.gguf")
+    assert result.exit_code != 0 and "GGUF file not found" in result.output and "nope.gguf" in result.output
+
+
 def test_deterministic_run_gives_the_same_completions_at_any_parallel(tiny_model):
     prompts = ["-p", "hello", "-p", "word " * 60, "-p", "a", "-p", "the capital of France is"]
     texts = []

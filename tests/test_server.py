@@ -265,3 +265,21 @@ def test_a_client_that_stops_reading_its_stream_is_cancelled(serve):
             time.sleep(0.05)  # never reading from sock
         assert metric(base, "llamabatch_sequences_running") == 0
     assert metric(base, "llamabatch_generated_tokens_total") - generated < 0.75 * 8 * 4000  # cut short
+
+
+def test_a_server_with_a_draft_model_answers_as_without_and_counts_drafts(serve, client, tiny_model):
+    """Concurrent requests with the tiny model drafting for itself: the answers equal the plain
+    server's, and /metrics counts drafts verified and kept."""
+    fast_base = serve(engine_extra={"draft_model": tiny_model, "draft_max": 4})
+    fast = openai.OpenAI(base_url=f"{fast_base}/v1", api_key="unused", max_retries=0)
+    prompts = ["hello world", "Once upon a time", "the capital of France is", "def fib(n):"]
+
+    def answers(c: openai.OpenAI) -> list[str]:
+        with ThreadPoolExecutor(4) as pool:
+            replies = pool.map(lambda p: c.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0,
+                                                              extra_body={"ignore_eos": True}), prompts)
+            return [r.choices[0].text for r in replies]
+
+    assert answers(fast) == answers(client)
+    assert metric(fast_base, "llamabatch_draft_tokens") >= 8
+    assert metric(fast_base, "llamabatch_draft_tokens_accepted") > 0.9 * metric(fast_base, "llamabatch_draft_tokens")

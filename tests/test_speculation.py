@@ -1,6 +1,7 @@
-"""Speculative decoding by n-gram prompt lookup: greedy outputs identical to decoding without it
-(the tiny F32 model, where a sequence's tokens do not depend on its batch), drafts actually
-made and verified in the one decode per step, and drafting off where it cannot pay."""
+"""Speculative decoding, by n-gram prompt lookup and by a draft model: greedy outputs identical to
+decoding without it (the tiny F32 model, where a sequence's tokens do not depend on its batch),
+sampled ones keeping their distribution, drafts actually made and verified in the one decode per
+step, and drafting off where it cannot pay."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from llamabatch import BatchEngine, ConfigError, SamplingParams
-from llamabatch.engine.speculation import DraftPlanner, DraftSampler, NgramLookup
+from llamabatch import BatchEngine, ConfigError, ModelError, SamplingParams
+from llamabatch.engine.speculation import DraftPlanner, DraftSampler, DraftState, NgramIndex, draft_length
+
+from tiny_model import WORD_PIECES, write_tiny_model
 
 PASSAGE = ("the quick brown fox jumps over the lazy dog while the small cat sleeps under the warm "
            "kitchen table and the old clock ticks on the wall ")
@@ -62,7 +65,7 @@ def test_drafts_never_overflow_the_batch(make_engine):
     with make_engine(n_parallel=4, n_ctx=8192, n_batch=16) as plain:
         expected = outputs(plain, params, prompts)
     with make_engine(n_parallel=4, n_ctx=8192, n_batch=16, speculative="ngram") as fast:
-        fast.planner.plan = lambda n_rows, lookups: [8] * len(lookups)
+        fast.planner.plan = lambda n_rows, states: [8] * len(states)
         assert_same(outputs(fast, params, prompts), expected)
         assert fast.stats.draft_tokens > 0
 
@@ -76,14 +79,14 @@ def test_eos_inside_an_accepted_run_ends_the_sequence_there(make_engine, tiny_eo
     assert any(reason == "stop" for _, _, reason, _ in expected)
 
 
-def lookups(*acceptance: float) -> list[NgramLookup]:
-    return [NgramLookup(acceptance=a) for a in acceptance]
+def states(*acceptance: float) -> list[DraftState]:
+    return [DraftState(acceptance=a) for a in acceptance]
 
 
 def teach(planner: DraftPlanner, n_rows: int, tokens_per_s: dict[bool, float], steps: int = 60) -> None:
     """Run `steps` planned steps of n_rows sequences whose speed depends on whether they draft."""
     for _ in range(steps):
-        drafting = planner.plan(n_rows, lookups(*[0.9] * n_rows))[0] > 0
+        drafting = planner.plan(n_rows, states(*[0.9] * n_rows))[0] > 0
         planner.observe(drafting, round(tokens_per_s[drafting] * 0.1), 0.1)
 
 
@@ -92,9 +95,9 @@ def test_the_planner_drafts_at_the_batch_sizes_where_drafting_measured_faster():
     teach(planner, 1, {True: 100, False: 75})  # one sequence: drafts pay
     teach(planner, 6, {True: 150, False: 200})  # six: they cost
     assert planner.faster(1) and not planner.faster(3)
-    assert [planner.plan(1, lookups(0.9))[0] for _ in range(200)].count(8) > 185  # the rest: a few trials without
-    assert [planner.plan(6, lookups(*[0.9] * 6))[0] for _ in range(200)].count(0) > 185
-    assert planner.plan(1, lookups(0.9, 0.1))[1] == 1  # a poor guesser drafts one token at most
+    assert [planner.plan(1, states(0.9))[0] for _ in range(200)].count(8) > 185  # the rest: a few trials without
+    assert [planner.plan(6, states(*[0.9] * 6))[0] for _ in range(200)].count(0) > 185
+    assert planner.plan(1, states(0.9, 0.6, 0.1)) == [8, 3, 1]  # draft lengths follow each one's acceptance
 
 
 def test_a_large_batch_tries_drafts_only_after_the_next_smaller_one_found_them_faster():
@@ -155,7 +158,7 @@ def test_sampled_sequences_draft_and_keep_their_distribution(make_engine):
     for mode in ("off", "ngram"):
         with make_engine(n_parallel=4, n_ctx=4096, speculative=mode) as engine:
             if engine.planner is not None:  # draft every step, paying or not: this is about verification
-                engine.planner.plan = lambda n_rows, lookups: [2] * len(lookups)
+                engine.planner.plan = lambda n_rows, states: [2] * len(states)
             params = [SamplingParams(temperature=1.0, top_k=2, seed=seed, max_tokens=2) for seed in range(300)]
             runs[mode] = Counter(tuple(r.token_ids) for r in engine.generate([prompt] * len(params), params))
             drafted = engine.stats.draft_tokens
@@ -166,14 +169,20 @@ def test_sampled_sequences_draft_and_keep_their_distribution(make_engine):
 
 
 def test_lookup_proposes_what_followed_the_latest_earlier_match():
-    lookup = NgramLookup()
+    index = NgramIndex()
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
-    assert lookup.propose(tokens, 4) == [7, 8, 5, 1]  # the latest earlier "1 2 3" was followed by 7 8 5 1
-    assert lookup.propose(tokens + [4], 4) == []  # "2 3 4", "3 4": never seen
-    lookup.record(drafted=4, accepted=4)
-    assert lookup.acceptance == pytest.approx(0.8 * 0.8 + 0.2 * 1.0)  # from the prior, 0.8
-    lookup.record(drafted=4, accepted=1)  # one kept, one refused: a rate of 1/2
-    assert lookup.acceptance == pytest.approx(0.8 * 0.84 + 0.2 * 0.5)
+    assert index.propose(tokens, 4) == [7, 8, 5, 1]  # the latest earlier "1 2 3" was followed by 7 8 5 1
+    assert index.propose(tokens + [4], 4) == []  # "2 3 4", "3 4": never seen
+
+
+def test_acceptance_rate_and_draft_length():
+    state = DraftState()
+    state.record(drafted=4, accepted=4)
+    assert state.acceptance == pytest.approx(0.8 * 0.8 + 0.2 * 1.0)  # from the prior, 0.8
+    state.record(drafted=4, accepted=1)  # one kept, one refused: a rate of 1/2
+    assert state.acceptance == pytest.approx(0.8 * 0.84 + 0.2 * 0.5)
+    # positions reached with a chance of at least 0.2: 0.9**15 = 0.206, 0.6**3 = 0.216, 0.5**2 = 0.25
+    assert [draft_length(a, 16) for a in (1.0, 0.9, 0.6, 0.5, 0.3, 0.0)] == [16, 15, 3, 2, 1, 1]
 
 
 def test_bad_settings_are_refused(make_engine):
@@ -181,3 +190,72 @@ def test_bad_settings_are_refused(make_engine):
         make_engine(speculative="medusa")
     with pytest.raises(ConfigError, match="drop --speculative"):
         make_engine(deterministic=True, speculative="ngram")
+
+
+# -- drafts from a draft model -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def other_tiny_model(tmp_path_factory):
+    """Same vocabulary as the tiny model, other random weights: a draft model that is often wrong."""
+    return write_tiny_model(tmp_path_factory.mktemp("draft") / "tiny-seed1.gguf", seed=1)
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_greedy_output_is_identical_with_a_draft_model(make_engine, tiny_model, other_tiny_model, draft):
+    """The target as its own draft (nearly every draft kept) and another model of the same
+    vocabulary (most refused): outputs equal decoding without speculation either way, with more
+    prompts than slots, so slots and their draft KV pass from sequence to sequence."""
+    draft_model = tiny_model if draft == "same" else other_tiny_model
+    params = [SamplingParams(temperature=0, max_tokens=20 + 3 * i, logprobs=2 if i % 3 == 0 else None) for i in range(len(PROMPTS))]
+    with make_engine(n_parallel=3, n_ctx=4096) as plain:
+        expected = outputs(plain, params)
+    with make_engine(n_parallel=3, n_ctx=4096, draft_model=draft_model) as fast:
+        assert fast.config.speculative == "draft"  # naming a draft model turns it on
+        fast.planner.plan = lambda n_rows, states: [4] * len(states)  # draft every step: this is about exactness
+        assert_same(outputs(fast, params), expected)
+        stats, draft_calls = fast.stats, fast.drafter.decode_calls
+    kept = stats.draft_accepted / stats.draft_tokens
+    print(f"draft {draft}: {stats.draft_tokens} drafted, {kept:.2f} kept, {draft_calls} draft decodes, "
+          f"{stats.completion_tokens / stats.decode_calls:.2f} tokens per target decode")
+    if draft == "same":
+        assert kept > 0.9 and stats.completion_tokens / stats.decode_calls > 2.5
+    else:
+        assert stats.draft_tokens > 100 and kept < 0.5
+
+
+def test_sampled_drafts_from_a_draft_model_keep_the_distribution(make_engine, tiny_model):
+    """Greedy drafts are certain proposals, so rejection sampling keeps a sampled sequence's
+    distribution: its first three tokens over 300 seeds match decoding without speculation."""
+    runs = {}
+    for mode in ("off", "draft"):
+        with make_engine(n_parallel=4, n_ctx=4096, draft_model=tiny_model if mode == "draft" else None) as engine:
+            if engine.planner is not None:
+                engine.planner.plan = lambda n_rows, states: [2] * len(states)
+            params = [SamplingParams(temperature=1.0, top_k=2, seed=seed, max_tokens=3) for seed in range(300)]
+            runs[mode] = Counter(tuple(r.token_ids) for r in engine.generate(["The capital of France is"] * 300, params))
+            drafted, kept = engine.stats.draft_tokens, engine.stats.draft_accepted
+    assert drafted >= 300 and kept > 0
+    outcomes = sorted(set(runs["off"]) | set(runs["draft"]))
+    table = np.array([[runs[m][o] for o in outcomes] for m in ("off", "draft")])
+    assert scipy.stats.chi2_contingency(table).pvalue > 0.001, (outcomes, table)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(make_engine, tmp_path):
+    pieces = [f"▁w{i}" for i in range(200)]  # 169 more tokens than the target
+    foreign = write_tiny_model(tmp_path / "foreign.gguf", pieces=pieces)
+    with pytest.raises(ModelError, match=r"does not share the target's vocabulary: .*tokens vs the target's") as e:
+        make_engine(draft_model=foreign)
+    print(e.value)
+    same_size = write_tiny_model(tmp_path / "same-size.gguf", pieces=[p + "x" for p in WORD_PIECES])
+    with pytest.raises(ModelError, match=r"token 259 is '▁thex', the target's is '▁the'"):
+        make_engine(draft_model=same_size)
+    with pytest.raises(ModelError, match="GGUF file not found"):
+        make_engine(draft_model=tmp_path / "missing.gguf")
+
+
+def test_draft_settings_are_checked(make_engine, tiny_model):
+    with pytest.raises(ConfigError, match="--speculative draft needs --draft-model"):
+        make_engine(speculative="draft")
+    with pytest.raises(ConfigError, match="--draft-model drafts with --speculative draft, not 'ngram'"):
+        make_engine(speculative="ngram", draft_model=tiny_model)

@@ -21,15 +21,15 @@ WORD_PIECES = [
 ]
 
 
-def vocabulary() -> tuple[list[str], list[float], list[int]]:
+def vocabulary(pieces: list[str] = WORD_PIECES) -> tuple[list[str], list[float], list[int]]:
     tokens = ["<unk>", "<s>", "</s>"]
     types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL]
     tokens += [f"<0x{b:02X}>" for b in range(256)]
     types += [TokenType.BYTE] * 256
-    tokens += WORD_PIECES
-    types += [TokenType.NORMAL] * len(WORD_PIECES)
+    tokens += pieces
+    types += [TokenType.NORMAL] * len(pieces)
     # Longer pieces score higher so the SPM tokenizer prefers them.
-    scores = [0.0] * (3 + 256) + [float(len(p)) for p in WORD_PIECES]
+    scores = [0.0] * (3 + 256) + [float(len(p)) for p in pieces]
     return tokens, scores, [int(t) for t in types]
 
 
@@ -43,9 +43,11 @@ def write_tiny_model(
     n_ctx_train: int = 2048,
     seed: int = 0,
     always_eos: bool = False,
+    pieces: list[str] = WORD_PIECES,
 ) -> Path:
-    """Write a tiny F32 llama model. `always_eos` makes EOS the greedy choice at every step."""
-    tokens, scores, types = vocabulary()
+    """Write a tiny F32 llama model. `always_eos` makes EOS the greedy choice at every step;
+    `pieces` are the word pieces after the byte tokens."""
+    tokens, scores, types = vocabulary(pieces)
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
 

@@ -19,9 +19,14 @@ from .results import Event, Result, RunStats, Score
 from .sampling import GreedySampler, SamplingParams, build_sampler, score_rows, token_logprob
 from .scheduler import LONE_ROW_MAX_CELLS, Filler, Scheduler
 from .sequence import Sequence, Status
+from .drafters import DraftModel, Drafter, NgramDrafter
 from .speculation import DraftPlanner, DraftSampler
 
 KV_FULL = 1  # llama_decode's "no free KV slot"
+# CPU matrix kernels take a batch's rows four at a time, and the rest by a slower path: with
+# Gemma 3 270M Q4_K_M on this project's CPU, one decode of 7 rows took 61 ms and of 8 rows 43 ms
+# (16: 60 ms, 17: 76 ms; README, "Speculative decoding"). Drafts are lengthened to fill the tile.
+ROW_TILE = 4
 # Logits a step may ask for when prompts are scored (each row is a vocabulary of floats): 256
 # rows of Gemma 3's 262,144, or every row of a batch for a small vocabulary.
 LOGITS_BUDGET_BYTES = 256 << 20
@@ -49,16 +54,20 @@ class BatchEngine:
         share_prefixes: bool | None = None,
         deterministic: bool | None = None,
         speculative: str | None = None,
+        draft_model: str | Path | None = None,
         draft_max: int | None = None,
         chat: bool | None = None,
         verbose: bool = False,
     ) -> None:
-        spec = Catalog.load(catalog).resolve(model)
+        models = Catalog.load(catalog)
+        spec = models.resolve(model)
         self.config = EngineConfig.for_model(
             spec, n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
             n_threads=n_threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
-            deterministic=deterministic, speculative=speculative, draft_max=draft_max, chat=chat, verbose=verbose,
+            deterministic=deterministic, speculative=speculative, draft_model=None if draft_model is None else str(draft_model),
+            draft_max=draft_max, chat=chat, verbose=verbose,
         )
+        draft_path = models.resolve(self.config.draft_model).gguf_path() if self.config.draft_model else None
         self.model_name = spec.name
         self.chat_template = spec.chat_template  # a llama.cpp built-in for GGUFs without one
         path = spec.gguf_path()
@@ -77,6 +86,12 @@ class BatchEngine:
         except Exception:
             self.model.close()
             raise
+        try:
+            self.drafter = self._drafter(draft_path)
+        except Exception:
+            self.ctx.close()
+            self.model.close()
+            raise
         self.vocab = self.model.vocab
         self.batch = Batch(self.ctx.n_batch)
         # Float weights go through llamafile's sgemm from 2 rows and ggml's vec_dot for 1, which
@@ -91,10 +106,21 @@ class BatchEngine:
             max_outputs=LOGITS_BUDGET_BYTES // (4 * self.vocab.n_vocab),
         )
         self.grammars = Grammars(self.vocab)
-        self.planner = DraftPlanner(cfg.draft_max) if cfg.speculative != "off" else None
+        self.planner = DraftPlanner(cfg.draft_max) if self.drafter is not None else None
         self.stats = RunStats()
         self._next_index = 0
         self._uids = itertools.count()
+
+    def _drafter(self, draft_path: Path | None) -> Drafter | None:
+        cfg = self.config
+        if cfg.speculative == "ngram":
+            return NgramDrafter()
+        if cfg.speculative == "draft":
+            return DraftModel(
+                draft_path, self.model.vocab, n_ctx=self.ctx.n_ctx, n_batch=cfg.n_batch, n_seq_max=cfg.n_parallel,
+                n_threads=cfg.n_threads, gpu_layers=cfg.gpu_layers,
+            )
+        return None
 
     # -- submitting work -------------------------------------------------------------
 
@@ -282,19 +308,25 @@ class BatchEngine:
         if not eligible:
             return None
         for seq in eligible:
-            if seq.lookup is None:
-                seq.lookup = self.planner.lookup()
-        grants = self.planner.plan(len(generating), [s.lookup for s in eligible])
-        room = self.ctx.n_batch - len(generating)  # draft rows must fit the batch beside every decode row
-        drafted = []
+            if seq.drafting is None:
+                seq.drafting = self.planner.state()
+        grants = self.planner.plan(len(generating), [s.drafting for s in eligible])
+        # Draft rows must fit the batch beside every decode row, their logits the logits budget.
+        room = min(self.ctx.n_batch, self.scheduler.max_outputs) - len(generating)
+        lengths, caps = [], []
         for seq, k in zip(eligible, grants):
             # The bonus token after the drafts must fit max_tokens and the context too.
-            k = min(k, room, seq.params.max_tokens - seq.n_generated - 1, self.ctx.n_ctx_seq - len(seq.tokens) - 1)
-            seq.draft = seq.lookup.propose(seq.tokens, k) if k > 0 else []
-            if seq.draft:
-                room -= len(seq.draft)
-                drafted.append(seq)
-        return drafted
+            cap = max(0, min(self.planner.draft_max, room, seq.params.max_tokens - seq.n_generated - 1,
+                             self.ctx.n_ctx_seq - len(seq.tokens) - 1))
+            lengths.append(min(k, cap))
+            caps.append(cap)
+            room -= lengths[-1]
+        if not any(lengths):
+            return []
+        _round_up_to_tile(lengths, caps, len(generating), room)
+        for seq, draft in zip(eligible, self.drafter.propose(eligible, lengths)):
+            seq.draft = draft
+        return [seq for seq in eligible if seq.draft]
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """Keep the part of the slot's cached KV the scheduler matched (if still usable), drop the rest."""
@@ -445,7 +477,7 @@ class BatchEngine:
         seq.n_past -= k - n_ok  # the decode took all k + 1 tokens in; the rejected ones go
         if n_ok < k:
             self.ctx.remove_sequence(seq.seq_id, from_pos=seq.n_past)
-        self.planner.record(seq.lookup, k, n_ok)  # acceptance rates, which plan the next drafts
+        self.planner.record(seq.drafting, k, n_ok)  # acceptance rates, which plan the next drafts
         self.stats.draft_tokens += k
         self.stats.draft_accepted += n_ok
         events = []
@@ -538,6 +570,8 @@ class BatchEngine:
         """Free every native handle: samplers of unfinished sequences, batch, context, then model."""
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             seq.close_samplers()
+        if self.drafter is not None:
+            self.drafter.close()
         self.batch.close()
         self.ctx.close()
         self.model.close()
@@ -547,6 +581,21 @@ class BatchEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _round_up_to_tile(lengths: list[int], caps: list[int], n_rows: int, room: int) -> None:
+    """Lengthen drafts (one token at a time, in turn, within each cap and the batch's room) until
+    the step's decode rows are a multiple of ROW_TILE: on a CPU those rows cost no more than
+    fewer rows (often less), on a GPU next to nothing. Never shortened: a draft's tokens are
+    worth more than the rows they save wherever rows are cheap."""
+    extra = min(room, -(n_rows + sum(lengths)) % ROW_TILE)
+    while extra:
+        growing = [i for i, k in enumerate(lengths) if 0 < k < caps[i]]
+        if not growing:
+            return
+        for i in growing[:extra]:
+            lengths[i] += 1
+        extra -= len(growing[:extra])
 
 
 def scored_prompts(vocab: Vocab, item: str | tuple[str, str], bos: bool, chunk: int | None) -> list[tuple[list[int], int]]:

@@ -30,11 +30,13 @@ class EngineConfig:
     kv_unified: bool = True
     share_prefixes: bool = True  # copy common prompt prefixes' KV instead of decoding them again
     deterministic: bool = False  # a sequence's output does not depend on what else is in the batch
-    # Speculative decoding ("ngram": prompt lookup, or "off"): sequences propose up to draft_max
-    # tokens each, verified in the step's one decode, as many as the measured cost of a row
-    # says will pay (speculation.DraftPlanner; README, "Speculative decoding").
+    # Speculative decoding ("ngram": prompt lookup; "draft": draft_model, a catalog name or a
+    # GGUF path; "off"): sequences propose up to draft_max tokens each, verified in the step's
+    # one decode, where measuring says drafts pay (speculation.DraftPlanner; README,
+    # "Speculative decoding").
     speculative: str = "off"
-    draft_max: int = 8
+    draft_model: str | None = None
+    draft_max: int = 15  # with its last token, 16 rows: a multiple of the CPU kernels' 4-row tile
     chat: bool = False
     verbose: bool = False
 
@@ -52,6 +54,8 @@ class EngineConfig:
             n_threads=spec.threads, gpu_layers=spec.gpu_layers, chat=spec.chat,
         )
         given = {k: v for k, v in overrides.items() if v is not None}
+        if "draft_model" in given:
+            given.setdefault("speculative", "draft")  # naming a draft model asks for it
         if given.get("deterministic"):
             # per-sequence KV and no partial prefix copies: both change a sequence's arithmetic
             values.update(kv_unified=False, share_prefixes=False)
@@ -84,8 +88,12 @@ class EngineConfig:
             yield "--deterministic copies no prompt prefixes: drop --share-prefixes"
         if self.deterministic and self.gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload():
             yield "--deterministic is verified on CPU builds only: add --gpu-layers 0"
-        if self.speculative not in ("off", "ngram"):
-            yield f"--speculative must be 'ngram' or 'off', got {self.speculative!r}"
+        if self.speculative not in ("off", "ngram", "draft"):
+            yield f"--speculative must be 'ngram', 'draft' or 'off', got {self.speculative!r}"
+        if self.speculative == "draft" and not self.draft_model:
+            yield "--speculative draft needs --draft-model NAME|PATH"
+        if self.draft_model and self.speculative != "draft":
+            yield f"--draft-model drafts with --speculative draft, not {self.speculative!r}"
         if self.deterministic and self.speculative != "off":
             yield "--deterministic decodes one token per sequence a step: drop --speculative"
         if self.draft_max < 1:

@@ -11,7 +11,7 @@ import numpy as np
 from .native import SamplerChain
 from .results import PromptScore, Result, Timings, TokenLogprob
 from .sampling import GreedySampler, SamplingParams
-from .speculation import DraftSampler, NgramLookup
+from .speculation import DraftSampler, DraftState
 from .text import TextStream
 
 
@@ -52,7 +52,7 @@ class Sequence:
     scored: PromptScore = field(default_factory=PromptScore)
     chunk_row: int = -1  # batch row of the current chunk's first token
     matcher: object | None = None  # an llguidance matcher when the output is constrained
-    lookup: NgramLookup | None = None  # speculative decoding: where its drafts come from
+    drafting: DraftState | None = None  # speculative decoding: its acceptance rate (and n-gram index)
     draft_sampler: DraftSampler | None = None  # and, when it samples, how they are verified
     draft: list[int] = field(default_factory=list)  # tokens proposed after the last one, this step
     # Prefix sharing: a follower waits (unscheduled) until its leader has n_shared tokens in

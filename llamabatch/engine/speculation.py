@@ -1,11 +1,13 @@
-"""Speculative decoding by n-gram prompt lookup: a sequence whose last few tokens appeared before
-(in its prompt or its output) proposes the tokens that followed them there; the engine verifies
-those drafts in the same llama_decode as every other row, and keeps the run the model agrees with.
+"""Speculative decoding: sequences propose draft tokens, the engine verifies them in the same
+llama_decode as every other row, and keeps the run the model agrees with. Drafts come from n-gram
+prompt lookup (a sequence whose last few tokens appeared before, in its prompt or its output,
+proposes the tokens that followed them there) or from a draft model (drafters.py).
 
-Drafts cost no model, but every draft row costs decode time (on a CPU with a 262k-token vocabulary
-the output layer alone makes a row with logits expensive). `DraftPlanner` measures, per batch
-size, whether steps with drafts give more tokens per second than steps without, and drafts only
-where they do; so turning speculation on costs next to nothing where it cannot help.
+Every draft row costs decode time (on a CPU with a 262k-token vocabulary the output layer alone
+makes a row with logits expensive), and a draft model costs its own decodes. `DraftPlanner`
+measures, per batch size, whether steps with drafts (their drafting included) give more tokens
+per second than steps without, and drafts only where they do; so turning speculation on costs
+next to nothing where it cannot help.
 """
 
 from __future__ import annotations
@@ -20,19 +22,19 @@ NGRAM_SIZES = (4, 3, 2)  # longest match first: a longer context predicts better
 PRIOR_ACCEPTANCE = 0.8  # the acceptance rate before any verification: optimistic, so drafts get tried
 ACCEPTANCE_MEMORY = 0.8  # weight of the past in a sequence's acceptance rate
 POOLED_MEMORY = 0.9  # and in the rate over all sequences (the last ten or so verifications): a new sequence starts there
-LOW_ACCEPTANCE = 0.3  # below this, a sequence drafts one token at a time
+MIN_REACH = 0.2  # a draft position is tried while the run before it is kept at least this often
 SMALL_BATCH_BUCKET = 3  # batches of up to 7 sequences try drafts first-hand; larger ones after a smaller one won
 TRIES = 8  # steps with and without drafts measured, per batch size, before choosing
-EXPLORE = 0.03  # share of steps, once chosen, that try the other way
+CLEAR_TRIES = 2  # ... or this many, when one way is already more than CLEAR_MARGIN times faster
+CLEAR_MARGIN = 2.0
+EXPLORE = 0.03  # share of the time, once chosen, spent trying the other way
 RATE_MEMORY = 0.98  # weight of each earlier step in a way's measured tokens per second
 
 
 @dataclass
-class NgramLookup:
-    """One sequence's index of where each n-gram of its tokens last ended, and how often its
-    drafts have been kept lately."""
+class NgramIndex:
+    """Where each n-gram of a sequence's tokens last ended: drafts from its own prompt and output."""
 
-    acceptance: float = PRIOR_ACCEPTANCE  # chance that a draft token is kept, given the ones before it were
     indexed: int = 0  # tokens[:indexed] are in the index
     last_end: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> index right after it
 
@@ -57,8 +59,26 @@ class NgramLookup:
                     self.last_end[tuple(tokens[end - n : end])] = end
         self.indexed = len(tokens)
 
+
+@dataclass
+class DraftState:
+    """One sequence's speculation: how often its drafts have been kept lately, and (n-gram
+    drafting) the index its drafts come from."""
+
+    acceptance: float = PRIOR_ACCEPTANCE  # chance that a draft token is kept, given the ones before it were
+    ngrams: NgramIndex = field(default_factory=NgramIndex)  # filled only when drafts are looked up
+
     def record(self, drafted: int, accepted: int) -> None:
         self.acceptance = _updated(self.acceptance, drafted, accepted, ACCEPTANCE_MEMORY)
+
+
+def draft_length(acceptance: float, draft_max: int) -> int:
+    """Draft positions worth a row: those the whole draft so far reaches with a chance of at
+    least MIN_REACH, given the sequence's acceptance rate (0.9 -> 15, 0.6 -> 3, 0.3 -> 1; at most draft_max)."""
+    if acceptance >= 1.0:
+        return draft_max
+    reach = int(np.log(MIN_REACH) / np.log(max(acceptance, 1e-6)))
+    return max(1, min(draft_max, reach))
 
 
 def _updated(rate: float, drafted: int, accepted: int, memory: float) -> float:
@@ -73,52 +93,62 @@ class DraftPlanner:
     two rows takes 2.5 times one row, nine rows 4.5 times; on a GPU extra rows are nearly free),
     and how often drafts are kept differs by workload, so no model of either is assumed. For
     each batch size (in powers of two) the planner keeps the tokens per second of steps with
-    drafts and of steps without, tries both a few times, then takes the faster and now and then
-    the other. A larger batch tries drafts only if the next smaller one found them faster:
-    drafts pay less as batches grow, and trying them in a large batch is what costs most."""
+    drafts and of steps without, tries both a few times (fewer when one is far ahead), then
+    takes the faster and now and then the other, so seldom that the other takes EXPLORE of the
+    time: a step with a draft model's drafts can take twenty steps' time. A larger batch tries
+    drafts only if the next smaller one found them faster: drafts pay less as batches grow, and
+    trying them in a large batch is what costs most."""
 
     def __init__(self, draft_max: int, seed: int = 0) -> None:
         self.draft_max = draft_max
         self.acceptance = PRIOR_ACCEPTANCE  # over all sequences: where a new one starts
-        # (batch-size bucket, drafting) -> its steps' tokens and seconds, older steps weighing less
-        self.totals: dict[tuple[int, bool], tuple[float, float]] = {}
+        # (batch-size bucket, drafting) -> its steps' tokens, seconds and count, older steps weighing less
+        self.totals: dict[tuple[int, bool], tuple[float, float, float]] = {}
         self.tries: dict[tuple[int, bool], int] = {}
         self.rng = np.random.default_rng(seed)
         self.chosen: tuple[int, bool] | None = None  # the arm of the step under way
 
-    def lookup(self) -> NgramLookup:
-        """A new sequence's lookup, guessing it will be kept as often as drafts have been lately."""
-        return NgramLookup(acceptance=self.acceptance)
+    def state(self) -> DraftState:
+        """A new sequence's state, guessing its drafts will be kept as often as drafts have been lately."""
+        return DraftState(acceptance=self.acceptance)
 
-    def record(self, lookup: NgramLookup, drafted: int, accepted: int) -> None:
-        lookup.record(drafted, accepted)
+    def record(self, state: DraftState, drafted: int, accepted: int) -> None:
+        state.record(drafted, accepted)
         self.acceptance = _updated(self.acceptance, drafted, accepted, POOLED_MEMORY)
 
-    def plan(self, n_rows: int, lookups: list[NgramLookup]) -> list[int]:
-        """Draft lengths for `lookups`' sequences in a step of n_rows generating sequences; a
-        sequence whose drafts are seldom kept brings one token at most."""
+    def plan(self, n_rows: int, states: list[DraftState]) -> list[int]:
+        """Draft lengths for `states`' sequences in a step of n_rows generating sequences, each
+        from its own acceptance rate (draft_length)."""
         bucket = n_rows.bit_length()
         drafting = self._choose(bucket)
         self.chosen = (bucket, drafting)
         if not drafting:
-            return [0] * len(lookups)
-        return [self.draft_max if lk.acceptance >= LOW_ACCEPTANCE else 1 for lk in lookups]
+            return [0] * len(states)
+        return [draft_length(st.acceptance, self.draft_max) for st in states]
 
     def _choose(self, bucket: int) -> bool:
         may_draft = bucket <= SMALL_BATCH_BUCKET or self.faster(bucket - 1)
         if not may_draft:
             return False
-        for arm in (True, False):
-            if self.tries.get((bucket, arm), 0) < TRIES:
-                return arm
-        best = self.faster(bucket)
-        return (not best) if self.rng.random() < EXPLORE else best
+        if not self._decided(bucket):
+            return self.tries.get((bucket, True), 0) <= self.tries.get((bucket, False), 0)  # in turn
+        best = self.rate(bucket, True) > self.rate(bucket, False)
+        # Try the other way with a chance that gives it EXPLORE of the time, whatever its step costs.
+        explore = EXPLORE * self.step_seconds(bucket, best) / self.step_seconds(bucket, not best)
+        return (not best) if self.rng.random() < explore else best
+
+    def _decided(self, bucket: int) -> bool:
+        tries = min(self.tries.get((bucket, True), 0), self.tries.get((bucket, False), 0))
+        if tries >= TRIES:
+            return True
+        if tries < CLEAR_TRIES:
+            return False
+        rates = self.rate(bucket, True), self.rate(bucket, False)
+        return max(rates) > CLEAR_MARGIN * min(rates)
 
     def faster(self, bucket: int) -> bool:
         """Whether steps with drafts have been faster than steps without, at this batch size."""
-        if min(self.tries.get((bucket, True), 0), self.tries.get((bucket, False), 0)) < TRIES:
-            return False
-        return self.rate(bucket, True) > self.rate(bucket, False)
+        return self._decided(bucket) and self.rate(bucket, True) > self.rate(bucket, False)
 
     def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
         """The step planned last made `tokens` in `seconds`; with no draft found it counts as one without."""
@@ -127,14 +157,19 @@ class DraftPlanner:
         arm = (self.chosen[0], drafted)
         self.chosen = None
         self.tries[arm] = self.tries.get(arm, 0) + 1
-        old_tokens, old_seconds = self.totals.get(arm, (0.0, 0.0))
-        self.totals[arm] = (RATE_MEMORY * old_tokens + tokens, RATE_MEMORY * old_seconds + seconds)
+        old = self.totals.get(arm, (0.0, 0.0, 0.0))
+        self.totals[arm] = (RATE_MEMORY * old[0] + tokens, RATE_MEMORY * old[1] + seconds, RATE_MEMORY * old[2] + 1)
 
     def rate(self, bucket: int, drafting: bool) -> float:
         """Tokens per second of such steps (a ratio of sums: a step that kept a long draft and
         one that kept none weigh by their time, as in a real run)."""
-        tokens, seconds = self.totals[bucket, drafting]
+        tokens, seconds, _ = self.totals[bucket, drafting]
         return tokens / seconds
+
+    def step_seconds(self, bucket: int, drafting: bool) -> float:
+        """How long such a step takes, on average."""
+        _, seconds, steps = self.totals[bucket, drafting]
+        return seconds / steps
 
 
 class DraftSampler:

@@ -39,6 +39,7 @@ class SweepSettings:
     kv_unified: bool = False
     deterministic: bool = False
     speculative: str = "off"
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
