@@ -147,8 +147,21 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert abs(firsts[1] / n - 0.3) < 0.02 and abs(seconds[2] / firsts[1] - 0.6) < 0.03  # drafts kept as often as p says
 
 
+def sampled_outcomes(engine: BatchEngine, prompt: str | list[int]) -> Counter:
+    """The three tokens of 300 seeds, sampled four sequences at a time: after their prompt every
+    step is a pure decode step, where drafts go (each drafting its second token: two draft rows
+    are forced on every step, and max_tokens leaves room for one)."""
+    if engine.planner is not None:  # draft every step, paying or not: this is about verification
+        engine.planner.plan = lambda n_rows, states: [2] * len(states)
+    params = [SamplingParams(temperature=1.0, top_k=2, seed=seed, max_tokens=3) for seed in range(300)]
+    counts = Counter()
+    for i in range(0, len(params), 4):
+        counts.update(tuple(r.token_ids) for r in engine.generate([prompt] * 4, params[i : i + 4]))
+    return counts
+
+
 def test_sampled_sequences_draft_and_keep_their_distribution(make_engine):
-    """Through the engine: sampled sequences get drafts, and their first two tokens are
+    """Through the engine: sampled sequences get drafts, and their first three tokens are
     distributed as without speculation (chi-square test of homogeneity over 300 seeds each)."""
     with make_engine(n_parallel=4, n_ctx=4096) as engine:
         start = engine.tokenize_prompt("ab")
@@ -157,10 +170,7 @@ def test_sampled_sequences_draft_and_keep_their_distribution(make_engine):
     runs = {}
     for mode in ("off", "ngram"):
         with make_engine(n_parallel=4, n_ctx=4096, speculative=mode) as engine:
-            if engine.planner is not None:  # draft every step, paying or not: this is about verification
-                engine.planner.plan = lambda n_rows, states: [2] * len(states)
-            params = [SamplingParams(temperature=1.0, top_k=2, seed=seed, max_tokens=2) for seed in range(300)]
-            runs[mode] = Counter(tuple(r.token_ids) for r in engine.generate([prompt] * len(params), params))
+            runs[mode] = sampled_outcomes(engine, prompt)
             drafted = engine.stats.draft_tokens
     assert drafted >= 250  # nearly every sequence drafts at its first decode step
     outcomes = sorted(set(runs["off"]) | set(runs["ngram"]))
@@ -230,10 +240,7 @@ def test_sampled_drafts_from_a_draft_model_keep_the_distribution(make_engine, ti
     runs = {}
     for mode in ("off", "draft"):
         with make_engine(n_parallel=4, n_ctx=4096, draft_model=tiny_model if mode == "draft" else None) as engine:
-            if engine.planner is not None:
-                engine.planner.plan = lambda n_rows, states: [2] * len(states)
-            params = [SamplingParams(temperature=1.0, top_k=2, seed=seed, max_tokens=3) for seed in range(300)]
-            runs[mode] = Counter(tuple(r.token_ids) for r in engine.generate(["The capital of France is"] * 300, params))
+            runs[mode] = sampled_outcomes(engine, "The capital of France is")
             drafted, kept = engine.stats.draft_tokens, engine.stats.draft_accepted
     assert drafted >= 300 and kept > 0
     outcomes = sorted(set(runs["off"]) | set(runs["draft"]))
@@ -259,3 +266,24 @@ def test_draft_settings_are_checked(make_engine, tiny_model):
         make_engine(speculative="draft")
     with pytest.raises(ConfigError, match="--draft-model drafts with --speculative draft, not 'ngram'"):
         make_engine(speculative="ngram", draft_model=tiny_model)
+
+
+def test_a_full_draft_context_gives_no_drafts_and_recovers(tiny_model):
+    """The draft model's context fills up (three 100-token sequences in 256 cells): that step gets
+    no drafts instead of an error, the context is emptied, and the next step drafts again."""
+    from llamabatch.engine.drafters import DraftModel
+    from llamabatch.engine.native import Model
+    from llamabatch.engine.sequence import Sequence
+
+    with Model(tiny_model) as target:
+        drafter = DraftModel(tiny_model, target.vocab, n_ctx=256, n_batch=64, n_seq_max=3, n_threads=2, gpu_layers=0)
+        try:
+            assert drafter.ctx.n_ctx == 256
+            sequences = [Sequence(i, "", SamplingParams(), [1] + [100 + i + j % 50 for j in range(99)], 100, seq_id=i)
+                         for i in range(3)]
+            assert drafter.propose(sequences, [4, 4, 4]) == [[], [], []]
+            assert drafter.held == {}
+            drafts = drafter.propose(sequences[:1], [4])
+            assert len(drafts[0]) == 4 and len(drafter.held[0]) == 100 + 3  # its tokens, and all drafts but the last
+        finally:
+            drafter.close()

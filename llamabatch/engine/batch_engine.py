@@ -13,16 +13,15 @@ import numpy as np
 from ..catalog import Catalog
 from .config import EngineConfig
 from .constraints import Constraint, Grammars
+from .drafters import DraftModel, Drafter, NgramDrafter
 from ..errors import ConstraintError, DecodeError, PromptError
-from .native import Batch, Context, Model, Vocab, init_backend, use_row_invariant_matmul
+from .native import KV_FULL, Batch, Context, Model, Vocab, init_backend, use_row_invariant_matmul
 from .results import Event, Result, RunStats, Score
 from .sampling import GreedySampler, SamplingParams, build_sampler, score_rows, token_logprob
 from .scheduler import LONE_ROW_MAX_CELLS, Filler, Scheduler
 from .sequence import Sequence, Status
-from .drafters import DraftModel, Drafter, NgramDrafter
 from .speculation import DraftPlanner, DraftSampler
 
-KV_FULL = 1  # llama_decode's "no free KV slot"
 # CPU matrix kernels take a batch's rows four at a time, and the rest by a slower path: with
 # Gemma 3 270M Q4_K_M on this project's CPU, one decode of 7 rows took 61 ms and of 8 rows 43 ms
 # (16: 60 ms, 17: 76 ms; README, "Speculative decoding"). Drafts are lengthened to fill the tile.
@@ -303,7 +302,11 @@ class BatchEngine:
         """Drafts for generating sequences that can verify them (greedy, or sampled without
         penalties; not constrained), as the planner allows and the batch has room: the
         sequences that got one (None when there was nothing to plan)."""
-        generating = [s for s in self.scheduler.running if len(s.tokens) - s.n_past == 1 and s.leader is None]
+        generating = self.scheduler.running
+        # Not beside a prompt: its rows make the step long anyway, and would hide what drafting
+        # costs from the planner (and a draft model's cost from it altogether).
+        if any(s.is_prefilling or s.leader is not None for s in generating):
+            return None
         eligible = [s for s in generating if s.matcher is None and (isinstance(s.sampler, GreedySampler) or s.params.verifiable)]
         if not eligible:
             return None

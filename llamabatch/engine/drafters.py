@@ -19,10 +19,9 @@ from typing import Protocol
 import llama_cpp
 
 from ..errors import DecodeError, ModelError
-from .native import Batch, Context, Model, Vocab
+from .native import KV_FULL, Batch, Context, Model, Vocab
 from .sequence import Sequence, common_prefix
 
-KV_FULL = 1  # llama_decode's "no free KV slot"
 # llama.cpp's own speculative tools accept a draft vocabulary this much larger or smaller than the
 # target's (models pad their vocabularies differently); the ids both have must mean the same.
 VOCAB_SIZE_SLACK = 128

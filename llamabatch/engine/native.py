@@ -23,6 +23,7 @@ _backend_ready = False
 # ggml reads GGML_CPU_TILED_MM once, at the process's first matmul: deterministic mode must
 # set it before anything is decoded.
 _decoded = False
+KV_FULL = 1  # llama_decode's "no free KV slot" (DecodeError.code)
 
 
 class _LogRouter:
