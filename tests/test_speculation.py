@@ -100,6 +100,22 @@ def test_the_planner_drafts_at_the_batch_sizes_where_drafting_measured_faster():
     assert planner.plan(1, states(0.9, 0.6, 0.1)) == [8, 3, 1]  # draft lengths follow each one's acceptance
 
 
+def test_costly_drafting_is_dropped_after_two_tries_and_seldom_tried_again():
+    """A draft model's step takes 50 times a plain one and gives a fifth of its rate: two tries
+    decide (the margin is over 2x), and trying again takes at most 3% of the time, not of the steps."""
+    planner = DraftPlanner(draft_max=8)
+    seconds = {True: 0.5, False: 0.01}
+    tokens = {True: 10, False: 1}  # 20 against 100 tokens/s
+    chosen = []
+    for _ in range(20_000):
+        drafting = planner.plan(1, states(0.9))[0] > 0
+        chosen.append(drafting)
+        planner.observe(drafting, tokens[drafting], seconds[drafting])
+    assert chosen[:4].count(True) == 2 and chosen[4:].count(True) < 40
+    time_drafting = chosen[4:].count(True) * seconds[True]
+    assert time_drafting / (time_drafting + chosen[4:].count(False) * seconds[False]) < 0.06
+
+
 def test_a_large_batch_tries_drafts_only_after_the_next_smaller_one_found_them_faster():
     planner = DraftPlanner(draft_max=8)
     teach(planner, 16, {True: 300, False: 250})

@@ -13,6 +13,7 @@ each draft as certain (speculation.DraftSampler) keeps a sampled sequence's dist
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +31,8 @@ VOCAB_SIZE_SLACK = 128
 class Drafter(Protocol):
     """Where drafts come from: up to lengths[i] tokens to follow sequences[i]'s last token."""
 
+    prefill_seconds: float  # of the last propose(), spent on prompts (see DraftModel)
+
     def propose(self, sequences: list[Sequence], lengths: list[int]) -> list[list[int]]: ...
 
     def close(self) -> None: ...
@@ -37,6 +40,8 @@ class Drafter(Protocol):
 
 class NgramDrafter:
     """Drafts by prompt lookup: no model, no decode."""
+
+    prefill_seconds = 0.0
 
     def propose(self, sequences: list[Sequence], lengths: list[int]) -> list[list[int]]:
         return [s.drafting.ngrams.propose(s.tokens, k) if k > 0 else [] for s, k in zip(sequences, lengths)]
@@ -64,12 +69,16 @@ class DraftModel:
         self.batch = Batch(self.ctx.n_batch)
         self.n_vocab = min(target.n_vocab, self.model.vocab.n_vocab)  # drafts only ids the target has
         self.held: dict[int, list[int]] = {}  # seq_id -> the tokens its KV holds, from position 0
+        # Of the last propose(), the time spent decoding prompts: once a sequence, as its prefill
+        # is in the target, so the planner leaves it out of what a step with drafts costs.
+        self.prefill_seconds = 0.0
         self.decode_calls = 0
 
     def propose(self, sequences: list[Sequence], lengths: list[int]) -> list[list[int]]:
         """Up to lengths[i] greedy tokens after each sequence's last token. When the draft context
         has no room (KV full), stale slots are dropped and it tries once more; failing again,
         no drafts this step."""
+        self.prefill_seconds = 0.0
         drafting = {s.seq_id for s, k in zip(sequences, lengths) if k > 0}
         for attempt in range(2):
             try:
@@ -90,11 +99,18 @@ class DraftModel:
         todo = [i for i, k in enumerate(lengths) if k > 0]
         # First decode: each sequence's tokens the draft context lacks (at least its last one,
         # whose logits give the first draft token).
-        catch_up = []
+        catch_up, prompts = [], []
         for i in todo:
             seq = sequences[i]
             keep = self._reconcile(seq.seq_id, seq.tokens)
+            if keep < seq.n_prompt - 1:  # its prompt, decoded apart and timed: see prefill_seconds
+                prompts.append((seq.seq_id, seq.tokens[keep : seq.n_prompt - 1], keep))
+                keep = seq.n_prompt - 1
             catch_up.append((seq.seq_id, seq.tokens[keep:], keep))
+        if prompts:
+            started = time.perf_counter()
+            self._decode_rows(prompts, logits=False)
+            self.prefill_seconds = time.perf_counter() - started
         for i, token in zip(todo, self._decode_rows(catch_up)):
             drafts[i].append(token)
         # Then one decode per further draft position, for the sequences that want it.
@@ -118,25 +134,25 @@ class DraftModel:
         self.held[seq_id] = held[:keep]  # until this step's decodes succeed
         return keep
 
-    def _decode_rows(self, rows: list[tuple[int, list[int], int]]) -> list[int]:
+    def _decode_rows(self, rows: list[tuple[int, list[int], int]], logits: bool = True) -> list[int]:
         """Decode each (seq_id, tokens, first position), as few llama_decode calls as n_batch allows,
-        and return the argmax after each one's last token."""
+        and return the argmax after each one's last token (none without logits)."""
         picks: list[int] = []
         tokens: list[int] = []
         pos: list[int] = []
         seq_ids: list[int] = []
-        logits: list[int] = []
+        flags: list[int] = []
         for seq_id, run, start in rows:
             for offset, token in enumerate(run):
                 if len(tokens) == self.batch.capacity:
-                    picks += self._decode(tokens, pos, seq_ids, logits)
-                    tokens, pos, seq_ids, logits = [], [], [], []
+                    picks += self._decode(tokens, pos, seq_ids, flags)
+                    tokens, pos, seq_ids, flags = [], [], [], []
                 tokens.append(token)
                 pos.append(start + offset)
                 seq_ids.append(seq_id)
-                logits.append(int(offset == len(run) - 1))
+                flags.append(int(logits and offset == len(run) - 1))
         if tokens:
-            picks += self._decode(tokens, pos, seq_ids, logits)
+            picks += self._decode(tokens, pos, seq_ids, flags)
         return picks
 
     def _decode(self, tokens: list[int], pos: list[int], seq_ids: list[int], logits: list[int]) -> list[int]:

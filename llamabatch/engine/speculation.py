@@ -27,7 +27,7 @@ SMALL_BATCH_BUCKET = 3  # batches of up to 7 sequences try drafts first-hand; la
 TRIES = 8  # steps with and without drafts measured, per batch size, before choosing
 CLEAR_TRIES = 2  # ... or this many, when one way is already more than CLEAR_MARGIN times faster
 CLEAR_MARGIN = 2.0
-EXPLORE = 0.03  # share of the time, once chosen, spent trying the other way
+EXPLORE = 0.03  # most share of the steps, and of the time, that try the other way once chosen
 RATE_MEMORY = 0.98  # weight of each earlier step in a way's measured tokens per second
 
 
@@ -94,7 +94,7 @@ class DraftPlanner:
     and how often drafts are kept differs by workload, so no model of either is assumed. For
     each batch size (in powers of two) the planner keeps the tokens per second of steps with
     drafts and of steps without, tries both a few times (fewer when one is far ahead), then
-    takes the faster and now and then the other, so seldom that the other takes EXPLORE of the
+    takes the faster and now and then the other, in at most EXPLORE of the steps and of the
     time: a step with a draft model's drafts can take twenty steps' time. A larger batch tries
     drafts only if the next smaller one found them faster: drafts pay less as batches grow, and
     trying them in a large batch is what costs most."""
@@ -133,8 +133,8 @@ class DraftPlanner:
         if not self._decided(bucket):
             return self.tries.get((bucket, True), 0) <= self.tries.get((bucket, False), 0)  # in turn
         best = self.rate(bucket, True) > self.rate(bucket, False)
-        # Try the other way with a chance that gives it EXPLORE of the time, whatever its step costs.
-        explore = EXPLORE * self.step_seconds(bucket, best) / self.step_seconds(bucket, not best)
+        # Try the other way in at most EXPLORE of the steps and of the time, whatever its step costs.
+        explore = EXPLORE * min(1.0, self.step_seconds(bucket, best) / self.step_seconds(bucket, not best))
         return (not best) if self.rng.random() < explore else best
 
     def _decided(self, bucket: int) -> bool:
