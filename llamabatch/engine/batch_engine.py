@@ -230,8 +230,8 @@ class BatchEngine:
         ended = time.perf_counter()
         self.stats.record_step(started, ended)
         if drafted is not None and self.batch.n_outputs == self.batch.n_tokens:  # a pure decode step
-            seconds = ended - started - (self.drafter.prefill_seconds if drafted else 0.0)
-            self.planner.observe(bool(drafted), self.stats.completion_tokens - tokens_before, seconds)
+            setup = self.drafter.prefill_seconds if drafted else 0.0
+            self.planner.observe(bool(drafted), self.stats.completion_tokens - tokens_before, ended - started, setup)
         return events
 
     def run(self) -> Iterator[Event]:

@@ -70,7 +70,8 @@ class DraftModel:
         self.n_vocab = min(target.n_vocab, self.model.vocab.n_vocab)  # drafts only ids the target has
         self.held: dict[int, list[int]] = {}  # seq_id -> the tokens its KV holds, from position 0
         # Of the last propose(), the time spent decoding prompts: once a sequence, as its prefill
-        # is in the target, so the planner leaves it out of what a step with drafts costs.
+        # is in the target, so the planner leaves it out of the rate of steps with drafts (but
+        # counts it in what trying them costs).
         self.prefill_seconds = 0.0
         self.decode_calls = 0
 

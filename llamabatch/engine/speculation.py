@@ -102,8 +102,9 @@ class DraftPlanner:
     def __init__(self, draft_max: int, seed: int = 0) -> None:
         self.draft_max = draft_max
         self.acceptance = PRIOR_ACCEPTANCE  # over all sequences: where a new one starts
-        # (batch-size bucket, drafting) -> its steps' tokens, seconds and count, older steps weighing less
-        self.totals: dict[tuple[int, bool], tuple[float, float, float]] = {}
+        # (batch-size bucket, drafting) -> its steps' tokens, seconds (setup left out), count and
+        # seconds (all), older steps weighing less
+        self.totals: dict[tuple[int, bool], tuple[float, float, float, float]] = {}
         self.tries: dict[tuple[int, bool], int] = {}
         self.rng = np.random.default_rng(seed)
         self.chosen: tuple[int, bool] | None = None  # the arm of the step under way
@@ -150,25 +151,27 @@ class DraftPlanner:
         """Whether steps with drafts have been faster than steps without, at this batch size."""
         return self._decided(bucket) and self.rate(bucket, True) > self.rate(bucket, False)
 
-    def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
-        """The step planned last made `tokens` in `seconds`; with no draft found it counts as one without."""
+    def observe(self, drafted: bool, tokens: int, seconds: float, setup: float = 0.0) -> None:
+        """The step planned last made `tokens` in `seconds`, of which `setup` went on a
+        once-a-sequence cost (a draft model's decode of new prompts): left out of the way's rate,
+        counted in the time its tries take. With no draft found it counts as a step without."""
         if self.chosen is None or seconds <= 0:
             return
         arm = (self.chosen[0], drafted)
         self.chosen = None
         self.tries[arm] = self.tries.get(arm, 0) + 1
-        old = self.totals.get(arm, (0.0, 0.0, 0.0))
-        self.totals[arm] = (RATE_MEMORY * old[0] + tokens, RATE_MEMORY * old[1] + seconds, RATE_MEMORY * old[2] + 1)
+        new = (tokens, seconds - setup, 1, seconds)
+        self.totals[arm] = tuple(RATE_MEMORY * a + b for a, b in zip(self.totals.get(arm, (0.0,) * 4), new))
 
     def rate(self, bucket: int, drafting: bool) -> float:
         """Tokens per second of such steps (a ratio of sums: a step that kept a long draft and
         one that kept none weigh by their time, as in a real run)."""
-        tokens, seconds, _ = self.totals[bucket, drafting]
+        tokens, seconds, _, _ = self.totals[bucket, drafting]
         return tokens / seconds
 
     def step_seconds(self, bucket: int, drafting: bool) -> float:
-        """How long such a step takes, on average."""
-        _, seconds, steps = self.totals[bucket, drafting]
+        """How long such a step takes, on average, setup included."""
+        _, _, steps, seconds = self.totals[bucket, drafting]
         return seconds / steps
 
 
