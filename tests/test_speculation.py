@@ -116,6 +116,15 @@ def test_costly_drafting_is_dropped_after_two_tries_and_seldom_tried_again():
     assert time_drafting / (time_drafting + chosen[4:].count(False) * seconds[False]) < 0.06
 
 
+def test_setup_time_is_left_out_of_the_rate_but_not_out_of_a_step_cost():
+    """A draft model decoding a new prompt (setup) does it once a sequence: the way's rate leaves
+    it out, the time a try of that way takes keeps it."""
+    planner = DraftPlanner(draft_max=8)
+    planner.plan(1, states(0.9))
+    planner.observe(True, 10, 1.0, setup=0.8)
+    assert planner.rate(1, True) == pytest.approx(10 / 0.2) and planner.step_seconds(1, True) == pytest.approx(1.0)
+
+
 def test_a_large_batch_tries_drafts_only_after_the_next_smaller_one_found_them_faster():
     planner = DraftPlanner(draft_max=8)
     teach(planner, 16, {True: 300, False: 250})
