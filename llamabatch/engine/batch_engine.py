@@ -229,7 +229,7 @@ class BatchEngine:
         events = self._sample(due, logits)
         ended = time.perf_counter()
         self.stats.record_step(started, ended)
-        if drafted is not None and self.batch.n_outputs == self.batch.n_tokens:  # a pure decode step
+        if drafted is not None:  # planned, so a pure decode step (_propose_drafts plans none beside a prompt)
             setup = self.drafter.prefill_seconds if drafted else 0.0
             self.planner.observe(bool(drafted), self.stats.completion_tokens - tokens_before, ended - started, setup)
         return events

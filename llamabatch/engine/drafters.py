@@ -73,7 +73,6 @@ class DraftModel:
         # is in the target, so the planner leaves it out of the rate of steps with drafts (but
         # counts it in what trying them costs).
         self.prefill_seconds = 0.0
-        self.decode_calls = 0
 
     def propose(self, sequences: list[Sequence], lengths: list[int]) -> list[list[int]]:
         """Up to lengths[i] greedy tokens after each sequence's last token. When the draft context
@@ -98,8 +97,8 @@ class DraftModel:
     def _propose(self, sequences: list[Sequence], lengths: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in sequences]
         todo = [i for i, k in enumerate(lengths) if k > 0]
-        # First decode: each sequence's tokens the draft context lacks (at least its last one,
-        # whose logits give the first draft token).
+        # First the tokens the draft context lacks (new prompts apart, then the rest: at least
+        # each sequence's last token, whose logits give its first draft token).
         catch_up, prompts = [], []
         for i in todo:
             seq = sequences[i]
@@ -158,7 +157,6 @@ class DraftModel:
 
     def _decode(self, tokens: list[int], pos: list[int], seq_ids: list[int], logits: list[int]) -> list[int]:
         self.batch.set(tokens, pos, seq_ids, logits)
-        self.decode_calls += 1
         self.ctx.decode(self.batch)
         if not self.batch.n_outputs:
             return []
