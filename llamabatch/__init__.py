@@ -1,9 +1,9 @@
 """llamabatch: true batched inference for llama.cpp from Python."""
 
 from .engine import BatchEngine, Event, Result, RunStats, SamplingParams, Timings
-from .errors import ConfigError, ConstraintError, DecodeError, LlamabatchError, ModelError, PromptError, SamplingError
+from .errors import ConfigError, ConstraintError, DecodeError, EngineBroken, LlamabatchError, ModelError, PromptError, SamplingError
 
 __all__ = [
-    "BatchEngine", "ConfigError", "ConstraintError", "DecodeError", "Event", "LlamabatchError", "ModelError",
+    "BatchEngine", "ConfigError", "ConstraintError", "DecodeError", "EngineBroken", "Event", "LlamabatchError", "ModelError",
     "PromptError", "Result", "RunStats", "SamplingError", "SamplingParams", "Timings",
 ]

@@ -9,7 +9,7 @@ import shlex
 import signal
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -20,6 +20,7 @@ from .catalog import Catalog, ModelSpec
 from .engine import BatchEngine, EngineConfig, Result, SamplingParams, Sequence
 from .engine.memory import parse_size, plan_for
 from .engine.native import Model, init_backend
+from .engine.options import AUTO, EngineOptions
 from .errors import LlamabatchError
 from .jobs.prompts import gather_prompts
 from .measure import sweep as sweep_bench
@@ -38,10 +39,11 @@ ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Catalog 
 CatalogOpt = Annotated[Optional[Path], typer.Option("--config", help="models.toml to use instead of the packaged one.")]
 ParallelOpt = Annotated[
     Optional[str],
-    typer.Option("--parallel", "-np", help="Sequences decoded together (slots), or 'auto': as many as fit --memory, each with --ctx tokens."),
+    typer.Option("--parallel", "-np", metavar="N|auto", help="Sequences decoded together (slots), or 'auto': as many as fit --memory, each with --ctx-per-seq cells."),
 ]
-MemoryOpt = Annotated[Optional[str], typer.Option("--memory", help="Memory budget for planning, e.g. 4GiB (default: available RAM).")]
-CtxOpt = Annotated[Optional[int], typer.Option("--ctx", "-c", help="Total KV cache tokens, split between sequences.")]
+MemoryOpt = Annotated[Optional[str], typer.Option("--memory", help="With --parallel auto: the memory to plan for, e.g. 4GiB (default: what is free now).")]
+CtxOpt = Annotated[Optional[int], typer.Option("--ctx", "-c", help="KV cache cells in all, shared by the slots.")]
+CtxPerSeqOpt = Annotated[Optional[int], typer.Option("--ctx-per-seq", help="KV cells per sequence: the cache is this times --parallel.")]
 BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-b", help="Most tokens per llama_decode (n_batch).")]
 UbatchOpt = Annotated[Optional[int], typer.Option("--ubatch-size", "-ub", help="Physical micro-batch (n_ubatch).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
@@ -50,7 +52,6 @@ KvUnifiedOpt = Annotated[Optional[bool], typer.Option("--kv-unified/--no-kv-unif
 DeterministicOpt = Annotated[
     Optional[bool], typer.Option("--deterministic", help="Same output alone or in any batch (CPU; slower prefill, see README).")
 ]
-SlotsOpt = Annotated[Optional[int], typer.Option("--parallel", "-np", help="Sequences decoded together (slots).")]
 SpeculativeOpt = Annotated[
     Optional[str], typer.Option("--speculative", help="'ngram': sequences draft tokens by prompt lookup, verified in the same decode; 'draft': a draft model drafts them; 'off'.")
 ]
@@ -58,6 +59,7 @@ DraftModelOpt = Annotated[
     Optional[str], typer.Option("--draft-model", metavar="NAME|PATH", help="A smaller model with the same vocabulary that drafts tokens (turns on --speculative draft).")
 ]
 DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Most draft tokens per sequence and step (15).")]
+ReplicasOpt = Annotated[Optional[str], typer.Option("--replicas", metavar="N|auto", help="Engines, on Ray: a number, or 'auto' (one per GPU, else one per node).")]
 SharePrefixesOpt = Annotated[
     Optional[bool], typer.Option("--share-prefixes/--no-share-prefixes", help="Copy common prompt prefixes' KV instead of decoding them again.")
 ]
@@ -101,6 +103,7 @@ def command(fn):
 
 @command
 def run(
+    context: typer.Context,
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(help="Prompts: one per line, or JSONL objects with 'prompt' and sampling fields.")] = None,
     model: ModelOpt = None,
@@ -123,6 +126,7 @@ def run(
     choice: ChoiceOpt = None,
     parallel: ParallelOpt = None,
     ctx: CtxOpt = None,
+    ctx_per_seq: CtxPerSeqOpt = None,
     memory: MemoryOpt = None,
     batch_size: BatchOpt = None,
     ubatch_size: UbatchOpt = None,
@@ -147,17 +151,7 @@ def run(
         **_constraint(json_schema, grammar, regex, choice),
     )
     prompts, params = gather_prompts(prompt or [], prompts_file, base)
-    n_parallel, ctx = _slots(
-        parallel, ctx, memory, model=model, catalog=config,
-        kv_unified=EngineConfig.kv_unified if kv_unified is None else kv_unified,
-        n_ubatch=ubatch_size, n_sequences=sum(p.n for p in params), verbose=verbose,
-    )
-    with BatchEngine(
-        model, catalog=config, n_parallel=n_parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
-        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
-        deterministic=deterministic, speculative=speculative, draft_model=draft_model, draft_max=draft_max, chat=chat,
-        verbose=verbose,
-    ) as engine:
+    with BatchEngine(**EngineOptions.of(context.params).engine_kwargs(n_sequences=sum(p.n for p in params))) as engine:
         sequences = engine.submit(prompts, params)
         _drive(engine, sequences, live=stream and not json_out)
         results = [seq.result() for seq in sequences]
@@ -188,25 +182,6 @@ def _read(path: Path, option: str) -> str:
     if not path.is_file():
         raise LlamabatchError(f"{option}: file not found: {path}")
     return path.read_text()
-
-
-def _slots(parallel: str | None, ctx: int | None, memory: str | None, *, n_sequences: int, **plan_settings) -> tuple[int | None, int | None]:
-    """--parallel N as given; --parallel auto planned: as many slots of --ctx tokens as fit --memory
-    (never more than there are sequences to run), and the total context they need."""
-    if parallel is None or parallel != "auto":
-        try:
-            return (None if parallel is None else int(parallel)), ctx
-        except ValueError:
-            raise LlamabatchError(f"--parallel must be a number or 'auto', got {parallel!r}") from None
-    planned, _ = plan_for(ctx_per_seq=ctx, memory=_size(memory), max_parallel=n_sequences, **plan_settings)
-    return planned.n_parallel, planned.n_ctx
-
-
-def _size(text: str | None) -> int | None:
-    try:
-        return None if text is None else parse_size(text)
-    except ValueError as e:
-        raise LlamabatchError(f"--memory: {e}") from None
 
 
 def _drive(engine: BatchEngine, sequences: list[Sequence], live: bool) -> None:
@@ -260,8 +235,10 @@ def batch(
     grammar: GrammarOpt = None,
     regex: RegexOpt = None,
     choice: ChoiceOpt = None,
-    parallel: SlotsOpt = None,
+    parallel: ParallelOpt = None,
     ctx: CtxOpt = None,
+    ctx_per_seq: CtxPerSeqOpt = None,
+    memory: MemoryOpt = None,
     batch_size: BatchOpt = None,
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
@@ -276,7 +253,7 @@ def batch(
     ray: Annotated[Optional[str], typer.Option(
         "--ray", metavar="ADDRESS", help="Run on a Ray cluster: 'local' (a Ray instance on this machine), 'auto' (the running cluster) or ray://host:port.",
     )] = None,
-    replicas: Annotated[str, typer.Option("--replicas", help="With --ray: engines (Ray actors), or 'auto': one per GPU, else one per node.")] = "1",
+    replicas: ReplicasOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as one JSON object.")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -290,15 +267,14 @@ def batch(
     )
     given = {k: v for k, v in given.items() if v is not None}
     base = SamplingParams(**given) if given else None
-    engine_options = dict(
-        model=model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
-        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
-        deterministic=deterministic, speculative=speculative, draft_model=draft_model, draft_max=draft_max, chat=chat,
-        verbose=verbose,
-    )
+    if replicas is not None and ray is None:
+        raise LlamabatchError("--replicas runs engines on Ray: add --ray local|auto|ADDRESS, or drop --replicas")
+    if ray is not None and parallel == AUTO:
+        raise LlamabatchError("--parallel auto plans for this machine's memory, not the Ray actors': give --parallel N")
+    engine_options = EngineOptions.of(context.params).engine_kwargs()
     if ray is not None:
-        summary, job = _batch_on_ray(ray, replicas, engine_options, input, output, errors, base, retry_errors, overwrite)
-        described = {"model": job.model[0], "replicas": replicas, "ray": ray}
+        summary, job = _batch_on_ray(ray, _replicas(replicas), engine_options, input, output, errors, base, retry_errors, overwrite)
+        described = {"model": job.settings["model"], "replicas": replicas or "1", "ray": ray}
     else:
         with BatchEngine(**engine_options) as engine:
             job = BatchJob(engine, input, output, errors=errors, base=base, retry_errors=retry_errors, overwrite=overwrite)
@@ -310,6 +286,12 @@ def batch(
         display.json_line({"summary": {**described, **summary.to_dict()}})
     else:
         display.batch_summary(summary, job.output, job.errors)
+    if summary.broken:
+        display.error_line(
+            f"the job stopped: {summary.broken}. What finished is written; once the cause is fixed, resume "
+            f"(and retry the failed requests) with: {_command_line(context, drop={'overwrite', 'retry_errors'})} --retry-errors"
+        )
+        raise typer.Exit(1)
     if not summary.complete:
         display.error_line(
             f"stopped by {summary.stopped_by}: {summary.done} requests done in this run; "
@@ -321,8 +303,23 @@ def batch(
         raise typer.Exit(1)
 
 
+def _replicas(text: str | None) -> int | str:
+    """--replicas N (at least 1) or 'auto' (decided once Ray shows the cluster)."""
+    if text is None:
+        return 1
+    if text == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise LlamabatchError(f"--replicas must be a number >= 1 or 'auto', got {text!r}")
+    return value
+
+
 def _batch_on_ray(
-    address: str, replicas: str, engine_options: dict, input: str, output: Path, errors: Path | None,
+    address: str, replicas: int | str, engine_options: dict, input: str, output: Path, errors: Path | None,
     base: SamplingParams | None, retry_errors: bool, overwrite: bool,
 ):
     try:
@@ -358,14 +355,17 @@ def _command_line(context: typer.Context, drop: set[str]) -> str:
 
 @command
 def score(
+    context: typer.Context,
     items: Annotated[Optional[Path], typer.Argument(help='JSON Lines: {"context", "continuation"} pairs or {"text"} texts.')] = None,
     text: Annotated[Optional[Path], typer.Option("--text", help="Score this whole file as one text instead.")] = None,
     chunk: Annotated[Optional[int], typer.Option(help="Score texts in windows of N tokens, BOS first, second half scored (llama-perplexity's way).")] = None,
     bos: Annotated[bool, typer.Option("--bos/--no-bos", help="Start every text and context with the BOS token.")] = True,
     model: ModelOpt = None,
     config: CatalogOpt = None,
-    parallel: SlotsOpt = None,
+    parallel: ParallelOpt = None,
     ctx: CtxOpt = None,
+    ctx_per_seq: CtxPerSeqOpt = None,
+    memory: MemoryOpt = None,
     batch_size: BatchOpt = None,
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
@@ -383,10 +383,7 @@ def score(
     if chunk is not None and chunk < 4:
         raise LlamabatchError(f"--chunk must be at least 4 tokens, got {chunk}")
     scored = [text.read_text(errors="replace")] if text is not None else read_score_items(items)
-    with BatchEngine(
-        model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
-        n_threads=threads, gpu_layers=gpu_layers, verbose=verbose,
-    ) as engine:
+    with BatchEngine(**EngineOptions.of(context.params).engine_kwargs(n_sequences=len(scored))) as engine:
         started = time.perf_counter()
         scores = engine.score(scored, bos=bos, chunk=chunk)
         wall = time.perf_counter() - started
@@ -429,8 +426,8 @@ def models(config: CatalogOpt = None, json_out: JsonOpt = False, verbose: Verbos
 def plan(
     model: ModelOpt = None,
     config: CatalogOpt = None,
-    ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context of each sequence, in tokens (default: the catalog's).")] = None,
-    memory: MemoryOpt = None,
+    ctx_per_seq: Annotated[Optional[int], typer.Option("--ctx-per-seq", help="KV cells per sequence (default: the catalog's).")] = None,
+    memory: Annotated[Optional[str], typer.Option("--memory", help="The memory to plan for, e.g. 4GiB (default: what is free now).")] = None,
     kv_unified: Annotated[bool, typer.Option("--kv-unified/--no-kv-unified", help="Plan one KV buffer shared by all sequences.")] = EngineConfig.kv_unified,
     ubatch_size: UbatchOpt = None,
     check: Annotated[bool, typer.Option(help="Create the planned context and compare with the KV buffer llama.cpp allocates.")] = False,
@@ -439,16 +436,15 @@ def plan(
 ) -> None:
     """How much KV cache each token costs, and the largest --parallel that fits the memory budget."""
     planned, shape = plan_for(
-        model, catalog=config, ctx_per_seq=ctx, memory=_size(memory), kv_unified=kv_unified,
+        model, catalog=config, ctx_per_seq=ctx_per_seq, memory=_size(memory), kv_unified=kv_unified,
         n_ubatch=ubatch_size, verbose=verbose,
     )
     row = {**asdict(planned), "n_ctx": planned.n_ctx, "total_bytes": planned.total_bytes, **asdict(shape),
            "kv_bytes_per_token": shape.bytes_per_token}
     if check:
-        with BatchEngine(
-            model, catalog=config, n_parallel=planned.n_parallel, n_ctx=planned.n_ctx, n_ubatch=ubatch_size,
-            kv_unified=kv_unified, verbose=verbose,
-        ) as engine:
+        planned_options = EngineOptions(model=model, config=config, parallel=planned.n_parallel, ctx=planned.n_ctx,
+                                        ubatch_size=ubatch_size, kv_unified=kv_unified, verbose=verbose)
+        with BatchEngine(**planned_options.engine_kwargs()) as engine:
             row["allocated_kv_bytes"] = engine.ctx.kv_bytes
     if json_out:
         display.json_line(row)
@@ -456,8 +452,16 @@ def plan(
         display.plan_table(row)
 
 
+def _size(text: str | None) -> int | None:
+    try:
+        return None if text is None else parse_size(text)
+    except ValueError as e:
+        raise LlamabatchError(f"--memory: {e}") from None
+
+
 @command
 def sweep(
+    context: typer.Context,
     model: ModelOpt = None,
     config: CatalogOpt = None,
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes B to measure, comma-separated.")] = "1,2,4,8,16,32",
@@ -466,12 +470,12 @@ def sweep(
     shared_prompt: Annotated[bool, typer.Option(help="One prompt for all B sequences, decoded once (llama-batched-bench -pps).")] = False,
     repeat: Annotated[int, typer.Option(help="Runs per batch size; the median is reported.")] = 1,
     baseline: Annotated[Optional[list[str]], typer.Option(help="Also measure 'sequential' (llama-cpp-python's Llama, one prompt at a time) and/or 'native' (llama-batched-bench).")] = None,
-    ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="Total KV cache tokens (default: room for the largest B).")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b", help="n_batch.")] = 512,
-    ubatch_size: Annotated[int, typer.Option("--ubatch-size", "-ub", help="n_ubatch.")] = 512,
+    ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="KV cache cells in all (default: room for the largest B).")] = None,
+    batch_size: BatchOpt = None,
+    ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
-    kv_unified: Annotated[bool, typer.Option("--kv-unified/--no-kv-unified", help="One KV buffer shared by all sequences.")] = False,
+    kv_unified: KvUnifiedOpt = None,
     deterministic: DeterministicOpt = None,
     speculative: SpeculativeOpt = None,
     draft_model: DraftModelOpt = None,
@@ -486,55 +490,56 @@ def sweep(
         raise LlamabatchError(f"unknown baseline {sorted(baselines - {'sequential', 'native'})}: use sequential or native")
     settings = sweep_bench.SweepSettings(
         batch_sizes=_int_list(batch_sizes, "--batch-sizes"), prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
-        shared_prompt=shared_prompt, repeat=repeat, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
-        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, deterministic=bool(deterministic),
-        speculative=speculative or ("draft" if draft_model else "off"), draft_model=draft_model,
+        shared_prompt=shared_prompt, repeat=repeat, n_ctx=ctx,
     )
+    # The engine as any command builds it, sized for the largest batch; the baselines take its settings.
+    options = replace(EngineOptions.of(context.params), parallel=max(settings.batch_sizes), ctx=settings.context,
+                      share_prefixes=shared_prompt and not deterministic)
     if "native" in baselines:
         sweep_bench.native_tool()  # fail now, not after minutes of measuring
     if plot is not None:
         from .measure import plot as plotting  # matplotlib is an extra: say so before measuring
-    points, model_name = _sweep(model, config, settings, baselines, json_out=json_out, verbose=verbose)
+    points, title = _sweep(options, settings, baselines, json_out=json_out)
     if csv is not None:
         display.write_csv(csv, [p.to_dict() for p in points])
     if plot is not None:
-        plotting.sweep_plot(points, plot, title=f"{model_name}: PP {prompt_tokens}, TG {gen_tokens}, {settings.describe_kv}")
+        plotting.sweep_plot(points, plot, title=title)
 
 
 def _sweep(
-    model, config, settings: sweep_bench.SweepSettings, baselines: set[str], *, json_out: bool, verbose: bool
+    options: EngineOptions, settings: sweep_bench.SweepSettings, baselines: set[str], *, json_out: bool
 ) -> tuple[list[sweep_bench.SweepPoint], str]:
-    """Measure every batch size, then the baselines, showing the table as it fills."""
+    """Measure every batch size, then the baselines, showing the table as it fills. Returns the
+    points and a title for the plot."""
     sizes = settings.batch_sizes
     n_steps = len(sizes) * (2 if "sequential" in baselines else 1)
-    with BatchEngine(
-        model, catalog=config, n_parallel=max(sizes), n_ctx=settings.context, n_batch=settings.n_batch,
-        n_ubatch=settings.n_ubatch, n_threads=settings.n_threads, gpu_layers=settings.gpu_layers,
-        kv_unified=settings.kv_unified, share_prefixes=settings.shared_prompt and not settings.deterministic,
-        deterministic=settings.deterministic, speculative=settings.speculative, draft_model=settings.draft_model,
-        verbose=verbose,
-    ) as engine, display.SweepView(engine.model_name, settings, engine.config.n_threads, n_steps, live=not json_out) as view:
+    with BatchEngine(**options.engine_kwargs()) as engine, \
+            display.SweepView(engine.model_name, settings, engine.config, n_steps, live=not json_out) as view:
         points = []
         for point in sweep_bench.sweep(engine, settings, native="native" in baselines):
             points.append(point)
             view.show(points, f"B={point.batch_size}")
         if "sequential" in baselines:
             for point in points:
-                point.add_sequential(*sweep_bench.sequential_baseline(engine.model.path, settings, point.batch_size, engine.config.n_threads))
+                point.add_sequential(*sweep_bench.sequential_baseline(engine, settings, point.batch_size))
                 view.show(points, f"sequential B={point.batch_size}")
         view.show(points, "all", done=True)
+        title = f"{engine.model_name}: PP {settings.prompt_tokens}, TG {settings.gen_tokens}, {sweep_bench.describe(settings, engine.config)}"
     if json_out:
         for point in points:
             display.json_line(point.to_dict())
-    return points, engine.model_name
+    return points, title
 
 
 @command
 def serve(
+    context: typer.Context,
     model: ModelOpt = None,
     config: CatalogOpt = None,
-    parallel: SlotsOpt = None,
+    parallel: ParallelOpt = None,
     ctx: CtxOpt = None,
+    ctx_per_seq: CtxPerSeqOpt = None,
+    memory: MemoryOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
@@ -545,12 +550,13 @@ def serve(
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
     kv_unified: KvUnifiedOpt = None,
+    share_prefixes: SharePrefixesOpt = None,
     deterministic: DeterministicOpt = None,
     speculative: SpeculativeOpt = None,
     draft_model: DraftModelOpt = None,
     draft_max: DraftMaxOpt = None,
-    replicas: Annotated[Optional[int], typer.Option("--replicas", help="Engines behind the endpoint, on Ray Serve (prefix-aware routing).")] = None,
-    ray: Annotated[str, typer.Option("--ray", metavar="ADDRESS", help="With --replicas: 'local', 'auto' (the running cluster) or ray://host:port.")] = "local",
+    replicas: ReplicasOpt = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="With --replicas: 'local' (default), 'auto' (the running cluster) or ray://host:port.")] = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """An OpenAI-compatible server: concurrent requests share the running batch."""
@@ -558,38 +564,36 @@ def serve(
 
     from .serve.app import ServerSettings, create_app
 
+    if ray is not None and replicas is None:
+        raise LlamabatchError("--ray says where --replicas run: add --replicas N|auto, or drop --ray")
+    if replicas is not None and parallel == AUTO:
+        raise LlamabatchError("--parallel auto plans for this machine's memory, not each replica's: give --parallel N")
     for name in (model, draft_model) if draft_model else (model,):  # an unknown model or a missing file fails here, not in a thread
         Catalog.load(config).resolve(name).gguf_path()
-    engine = dict(
-        model=model, catalog=config, n_parallel=parallel, n_ctx=ctx, n_batch=batch_size, n_ubatch=ubatch_size,
-        n_threads=threads, gpu_layers=gpu_layers, kv_unified=kv_unified, deterministic=deterministic,
-        speculative=speculative, draft_model=draft_model, draft_max=draft_max, verbose=verbose,
-    )
+    engine = EngineOptions.of(context.params).engine_kwargs()
     settings = ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout)
     if replicas is not None:
-        _serve_replicas(settings, replicas, ray, host, port)
+        _serve_replicas(settings, _replicas(replicas), ray or "local", host, port)
         return
     app = create_app(settings)
     display.err.print(f"llamabatch serving on http://{host}:{port}/v1 (Ctrl-C stops)")
     uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
 
 
-def _serve_replicas(settings: ServerSettings, replicas: int, address: str, host: str, port: int) -> None:
+def _serve_replicas(settings: ServerSettings, replicas: int | str, address: str, host: str, port: int) -> None:
     try:
-        from .jobs.ray_stage import connect
+        from .jobs.ray_stage import actor_shape, connect
         from .serve.replicas import deploy
     except ImportError as e:
         raise LlamabatchError(f"--replicas needs Ray: pip install 'llamabatch[ray]' ({e})") from None
     import ray
     from ray import serve
 
-    if replicas < 1:
-        raise LlamabatchError(f"--replicas must be at least 1, got {replicas}")
     connect(address)
     engine = settings.engine
-    threads = engine["n_threads"] or max(1, int(ray.cluster_resources().get("CPU", 1)) // replicas)
+    replicas, threads, gpus = actor_shape(replicas, engine["n_threads"])
     slots = engine["n_parallel"] or Catalog.load(engine["catalog"]).resolve(engine["model"]).parallel
-    deploy(settings, replicas, threads, host, port, slots)
+    deploy(settings, replicas, threads, gpus, host, port, slots)
     display.err.print(f"llamabatch serving {replicas} replicas on http://{host}:{port}/v1 (Ctrl-C stops)")
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

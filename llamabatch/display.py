@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .engine import Event, Result, Sequence
+from .measure.sweep import describe
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -225,11 +226,11 @@ def plan_table(row: dict) -> None:
 class SweepView:
     """`llamabatch sweep`: the table grows as batch sizes are measured, above a progress bar."""
 
-    def __init__(self, model: str, settings, n_threads: int, n_steps: int, live: bool = True) -> None:
+    def __init__(self, model: str, settings, config, n_steps: int, live: bool = True) -> None:
         self.caption = (
             f"{model} · PP {settings.prompt_tokens} · TG {settings.gen_tokens} · n_ctx {settings.context} · "
-            f"n_batch {settings.n_batch} · n_ubatch {settings.n_ubatch} · {n_threads} threads · "
-            f"{settings.describe_kv} · median of {settings.repeat}"
+            f"n_batch {config.n_batch} · n_ubatch {config.n_ubatch} · {config.n_threads} threads · "
+            f"ngl {config.gpu_layers} · {describe(settings, config)} · median of {settings.repeat}"
         )
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err)
         self.task = self.bar.add_task("warm-up", total=n_steps)

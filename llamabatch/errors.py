@@ -30,5 +30,9 @@ class DecodeError(LlamabatchError):
         super().__init__(f"llama_decode failed with code {code} ({meaning})")
 
 
+class EngineBroken(LlamabatchError):
+    """Steps kept failing: the engine (its llama.cpp context) cannot go on and must be rebuilt."""
+
+
 class ConstraintError(LlamabatchError, ValueError):
     """A JSON schema, grammar, regular expression or choice list that cannot be compiled."""

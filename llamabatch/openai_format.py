@@ -10,12 +10,12 @@ from dataclasses import dataclass, replace
 from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le
-from pydantic import BaseModel, BeforeValidator, Field, StrictBool, StrictStr, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
 
 from .engine import BatchEngine, SamplingParams, Sequence
 from .engine.native import Vocab
-from .engine.sampling import MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED
-from .errors import ConstraintError, LlamabatchError
+from .engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED
+from .errors import ConstraintError, LlamabatchError, SamplingError
 
 
 def _json_integer(value):
@@ -48,24 +48,35 @@ def _bounds(*pairs) -> list:
 
 
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+TokenIdKey = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,9}$")]  # OpenAI's logit_bias keys: token ids as text
+# A chat answer with no max_tokens runs until the sequence's context is full ("length"), as
+# OpenAI's, vLLM's and llama-server's do; the engine ends it there.
+UNTIL_CONTEXT_FULL = 2**31 - 1
+
+
+class Body(BaseModel):
+    """A request body or part of one: a field it does not declare is refused (400, naming it), as
+    OpenAI refuses unknown arguments; ignoring one would answer a different question."""
+
+    model_config = ConfigDict(extra="forbid")
 # Token ids: the served model's vocabulary size and context bound them; the server writes those
 # bounds into its OpenAPI document in place of these markers.
 TokenId = Annotated[integer(ge=0), Field(json_schema_extra={"x-token-id": True})]
 TokenIds = Annotated[list[TokenId], Field(min_length=1, json_schema_extra={"x-token-ids": True})]
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Body):
     include_usage: StrictBool = False  # a last chunk with the usage of the whole request
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(Body):
     name: StrictStr | None = None
     schema_: dict = Field(alias="schema")
     strict: StrictBool | None = None  # the schema is enforced either way: every token is masked by it
     description: StrictStr | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Body):
     """OpenAI's response_format; {"type": "json_object", "schema": ...} is llama-cpp-python's older form."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -82,7 +93,7 @@ class ResponseFormat(BaseModel):
         return {}
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(Body):
     """vLLM's structured_outputs (one of them)."""
 
     json_: dict | StrictStr | None = Field(None, alias="json")
@@ -95,7 +106,7 @@ class StructuredOutputs(BaseModel):
         return {k: v for k, v in given.items() if v is not None}
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Body):
     """OpenAI's sampling fields (their defaults), llama.cpp's top_k and min_p, vLLM's
     prompt_logprobs. The ranges are declared, so the OpenAPI document says what is accepted."""
 
@@ -109,6 +120,10 @@ class SamplingFields(BaseModel):
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     presence_penalty: number(ge=-2, le=2) = 0.0
     frequency_penalty: number(ge=-2, le=2) = 0.0
+    repetition_penalty: number(gt=0) | None = None  # vLLM's name (1 = off)
+    repeat_penalty: number(gt=0) | None = None  # llama-server's name for the same
+    logit_bias: dict[TokenIdKey, number(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)] | None = None
+    user: StrictStr | None = None  # the caller's end user, as OpenAI takes it: accepted, not used
     n: integer(ge=1, le=MAX_SAMPLES) = 1
     ignore_eos: StrictBool = False
     prompt_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # vLLM: each prompt token's, with alternatives
@@ -124,10 +139,18 @@ class SamplingFields(BaseModel):
         """The engine's SamplingParams; raises a SamplingError or ConstraintError naming the problem."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         fields = self.model_dump(include=_ENGINE_FIELDS)
+        limit = self.token_limit()
         return SamplingParams(
-            **fields, max_tokens=self.token_limit(), stop=tuple(stop), logprobs=self.logprob_count(),
+            **fields, max_tokens=UNTIL_CONTEXT_FULL if limit is None else limit, stop=tuple(stop),
+            repeat_penalty=self.repeat_penalty_value(), logprobs=self.logprob_count(),
             prompt_logprobs=self.prompt_logprob_count(), **self.constraint(),
         )
+
+    def repeat_penalty_value(self) -> float:
+        given = {v for v in (self.repetition_penalty, self.repeat_penalty) if v is not None}
+        if len(given) > 1:
+            raise SamplingError("repetition_penalty and repeat_penalty are one setting: give one, or the same value")
+        return given.pop() if given else 1.0
 
     def constraint(self) -> dict:
         """The one constraint the body asks for, as SamplingParams fields."""
@@ -142,7 +165,8 @@ class SamplingFields(BaseModel):
             raise ConstraintError(f"give one constraint, got {', '.join(asked)}")
         return next(iter(asked.values()), {})
 
-    def token_limit(self) -> int:
+    def token_limit(self) -> int | None:
+        """Tokens to generate at most; None: until the context is full."""
         return self.max_tokens
 
     def logprob_count(self) -> int | None:
@@ -155,7 +179,9 @@ class SamplingFields(BaseModel):
         return Shown(prompt_logprobs=self.prompt_logprobs, usage_chunk=bool(self.stream_options and self.stream_options.include_usage))
 
 
-_ENGINE_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "n", "ignore_eos"}
+_ENGINE_FIELDS = {
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "n", "ignore_eos", "logit_bias",
+}
 
 
 @dataclass(frozen=True)
@@ -193,16 +219,23 @@ class CompletionRequest(SamplingFields):
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-class TextPart(BaseModel):
+class TextPart(Body):
     type: Literal["text"]
     text: StrictStr
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Body):
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: StrictStr | list[TextPart]
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
+    # What the official clients send back when an earlier answer is appended to the messages:
+    # accepted empty (as llamabatch answers them), refused with content (tools are not supported).
+    refusal: None = None
+    tool_calls: Annotated[list, Field(max_length=0)] | None = None
+    function_call: None = None
+    audio: None = None
+    annotations: Annotated[list, Field(max_length=0)] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -220,11 +253,12 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: integer(ge=0) | None = None  # none: until the context is full, as OpenAI's chat
     max_completion_tokens: integer(ge=0) | None = None  # what the official clients send now; wins over max_tokens
     logprobs: StrictBool = False
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
 
-    def token_limit(self) -> int:
+    def token_limit(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
     def logprob_count(self) -> int | None:
@@ -243,6 +277,8 @@ def validation_message(error: ValidationError | list[dict]) -> str:
     first = (error.errors() if isinstance(error, ValidationError) else error)[0]
     # The path, without "body" and the labels pydantic gives union members ("constrained-str").
     where = ".".join(str(p) for p in first["loc"] if p != "body" and (isinstance(p, int) or p.isidentifier()))
+    if first["type"] == "extra_forbidden":
+        return f"unknown field {where!r}: llamabatch does not support it"
     message = first["msg"].removeprefix("Value error, ")
     return f"{where}: {message}" if where else message
 
@@ -279,7 +315,7 @@ def completion_choices(sequences: Seq[Sequence], vocab: Vocab, shown: Shown) -> 
     for s in sequences:
         choice = {"index": choice_index(s), "text": (s.prompt if shown.echo else "") + s.text.text,
                   "logprobs": completion_logprobs(s, s.logprobs, vocab, echo=shown.echo),
-                  "finish_reason": finish_reason(s.finish_reason)}
+                  "finish_reason": s.finish_reason}
         if shown.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs(s, vocab, shown.prompt_logprobs)
         choices.append(choice)
@@ -289,7 +325,7 @@ def completion_choices(sequences: Seq[Sequence], vocab: Vocab, shown: Shown) -> 
 def chat_choices(sequences: Seq[Sequence], vocab: Vocab) -> list[dict]:
     return [
         {"index": s.sample, "message": {"role": "assistant", "content": s.text.text},
-         "logprobs": chat_logprobs(s.logprobs, s, vocab), "finish_reason": finish_reason(s.finish_reason)}
+         "logprobs": chat_logprobs(s.logprobs, s, vocab), "finish_reason": s.finish_reason}
         for s in sequences
     ]
 
@@ -299,16 +335,46 @@ def new_id(kind: str) -> str:
     return f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{secrets.token_hex(12)}"
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Why a request has no answer, as the server answers it and a batch job records it."""
+
+    status: int  # 400: it asks what cannot run; 500: the engine failed it; 499: it was cancelled
+    message: str
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message)
+
+
+def failure(sequences: Seq[Sequence]) -> Failure | None:
+    """The one verdict on a request's sequences: the first failure among those that have
+    finished, or None when every one that has ended well ("stop" or "length"). A request fails
+    whole: an answer with a missing or broken choice would read as a success."""
+    several = any(s.index > 0 for s in sequences)
+    for s in sequences:
+        if s.finish_reason in (None, "stop", "length"):  # None: still running
+            continue
+        where = f"prompt {s.index}: " if several else ""
+        if s.finish_reason == "cancelled":
+            return Failure(499, f"{where}cancelled before it finished")
+        return Failure(400 if s.refused else 500, where + (s.error or f"finished with {s.finish_reason!r}"))
+    return None
+
+
+_ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error"}
+
+
 def error_body(status: int, message: str, kind: str | None = None) -> dict:
     """OpenAI's error object, as the server answers a failed request."""
-    kind = kind or {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
+    kind = kind or _ERROR_TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
 def response_body(
     kind: str, id: str, created: int, model: str, sequences: Seq[Sequence], vocab: Vocab, shown: Shown = Shown()
 ) -> dict:
-    """The whole answer to a finished request: a text_completion or chat.completion object."""
+    """The whole answer to a request whose sequences all ended well (failure() is None): a
+    text_completion or chat.completion object."""
     if kind == "chat.completion":
         body = {"id": id, "object": kind, "created": created, "model": model, "choices": chat_choices(sequences, vocab)}
         if shown.prompt_logprobs is not None:  # vLLM puts a chat's prompt log-probabilities beside its choices
@@ -357,11 +423,6 @@ def chat_logprobs(logprobs: list, seq: Sequence, vocab: Vocab) -> dict | None:
         return {"token": piece(vocab, token), "logprob": logprob, "bytes": list(vocab.piece(token))}
 
     return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
-
-
-def finish_reason(reason: str | None) -> str | None:
-    """OpenAI knows 'stop' and 'length'; a cancelled or failed sequence reads as 'stop'."""
-    return reason if reason in (None, "stop", "length") else "stop"
 
 
 def piece(vocab: Vocab, token: int) -> str:

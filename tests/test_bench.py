@@ -30,12 +30,13 @@ def test_a_measurement_follows_llama_batched_bench_definitions(make_engine, deco
     assert point.s_pp == pytest.approx(n_prompt / point.t_pp)
     assert point.s_tg == pytest.approx(4 * 6 / point.t_tg)
     assert point.s == pytest.approx((n_prompt + 4 * 6) / (point.t_pp + point.t_tg))
-    assert point.n_kv == 4 * 10 + 4 * 6  # per-sequence KV: every sequence holds the prompt, shared or not
+    # N_KV as llama-batched-bench counts it for the engine's (default, unified) KV: a shared prompt once
+    assert engine.config.kv_unified and point.n_kv == (10 if shared else 4 * 10) + 4 * 6
     assert 0 < point.ttft_p50_s <= point.ttft_p99_s and 0 < point.tpot_p50_s <= point.tpot_p99_s
 
 
 def test_deterministic_measurement_prefills_each_prompt_alone_then_decodes_together(make_engine, decode_calls):
-    settings = SweepSettings(batch_sizes=(4,), prompt_tokens=10, gen_tokens=6, deterministic=True)
+    settings = SweepSettings(batch_sizes=(4,), prompt_tokens=10, gen_tokens=6)
     engine = make_engine(n_parallel=4, n_ctx=settings.context, deterministic=True)
     point = measure(engine, settings, 4)
     # B * PP fits in n_batch: four prefill steps back to back, then TG steps of B tokens each
@@ -69,6 +70,24 @@ def test_sequential_baseline_runs_llama_cpp_pythons_llama(tiny_model):
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert all(r["sequential_s_tg"] > 0 and r["speedup_vs_sequential"] > 0 for r in rows)
+
+
+def test_baselines_run_on_the_engines_device_with_its_settings(make_engine, tmp_path, monkeypatch):
+    """The catalog's -1 GPU layers reach llama-batched-bench and Llama as they reach the engine
+    (they used to get 0: GPU against CPU on a GPU build), and so do its KV layout and batch sizes."""
+    monkeypatch.setenv("LLAMABATCH_NATIVE_DIR", str(tmp_path))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "llama-batched-bench").write_text("")  # only its path is read here
+    settings = SweepSettings(batch_sizes=(1, 4), prompt_tokens=8, gen_tokens=4)
+    engine = make_engine(n_parallel=4, n_ctx=settings.context, n_batch=256)
+    config = engine.config
+    assert config.gpu_layers == -1  # the catalog's default, untouched by the caller
+    command = bench.native_command(engine, settings, 4)
+    flags = dict(zip(command[1::2], command[2::2]))
+    assert (flags["-ngl"], flags["-b"], flags["-t"]) == ("all", "256", str(config.n_threads))  # the tools' -1 is "auto"
+    assert ("-kvu" in command) == config.kv_unified
+    llama = bench.sequential_settings(config, settings)
+    assert (llama["n_gpu_layers"], llama["n_batch"], llama["n_threads"]) == (-1, 256, config.n_threads)
 
 
 def test_native_baseline_says_how_to_build_the_tool_when_missing(tiny_model, tmp_path, monkeypatch):

@@ -61,7 +61,7 @@ def test_a_budget_too_small_for_one_sequence_is_refused(tiny_model):
 
 
 def test_plan_cli_checks_its_estimate_against_llama_cpp(tiny_model):
-    result = CliRunner().invoke(app, ["plan", "-m", str(tiny_model), "--ctx", "512", "--memory", "1GiB", "--check", "--json"])
+    result = CliRunner().invoke(app, ["plan", "-m", str(tiny_model), "--ctx-per-seq", "512", "--memory", "1GiB", "--check", "--json"])
     assert result.exit_code == 0, result.output
     row = json.loads(result.stdout)
     assert row["n_parallel"] >= 1 and row["total_bytes"] <= 2**30
@@ -78,7 +78,7 @@ def test_run_parallel_auto_takes_one_slot_per_sequence_when_memory_allows(tiny_m
 
 def test_bad_parallel_and_memory_values_are_named():
     bad_parallel = CliRunner().invoke(app, ["run", "-p", "a", "--parallel", "many"])
-    assert bad_parallel.exit_code == 1 and "--parallel must be a number or 'auto'" in bad_parallel.output
+    assert bad_parallel.exit_code == 1 and "--parallel must be a number >= 1 or 'auto', got 'many'" in bad_parallel.output
     with pytest.raises(ValueError, match="not a memory size"):
         parse_size("lots")
 

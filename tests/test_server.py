@@ -196,8 +196,8 @@ def test_a_request_past_its_timeout_is_cancelled_with_504(serve):
     assert whole.status_code == 504 and "longer than 0.5 s" in whole.json()["error"]["message"]
     body = {"prompt": "x", "max_tokens": 8000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as response:
-        last = [line for line in response.iter_lines() if line.startswith("data: ")][-1]
-    assert json.loads(last[6:])["error"]["code"] == 504
+        *_, error, done = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert json.loads(error[6:])["error"]["code"] == 504 and done == "data: [DONE]"
     assert metric(base, "llamabatch_sequences_running") == 0
 
 

@@ -14,7 +14,7 @@ from ..catalog import Catalog
 from .config import EngineConfig
 from .constraints import Constraint, Grammars
 from .drafters import DraftModel, Drafter, NgramDrafter
-from ..errors import ConstraintError, DecodeError, PromptError
+from ..errors import ConstraintError, DecodeError, EngineBroken, PromptError, SamplingError
 from .native import KV_FULL, Batch, Context, Model, Vocab, init_backend, use_row_invariant_matmul
 from .results import Event, Result, RunStats, Score
 from .sampling import GreedySampler, SamplingParams, build_sampler, score_rows, token_logprob
@@ -29,6 +29,9 @@ ROW_TILE = 4
 # Logits a step may ask for when prompts are scored (each row is a vocabulary of floats): 256
 # rows of Gemma 3's 262,144, or every row of a batch for a small vocabulary.
 LOGITS_BUDGET_BYTES = 256 << 20
+# A step that fails fails the sequences it carried; this many failing in a row (different
+# batches each time) mean the context itself is broken, and the engine stops.
+MAX_FAILED_STEPS = 3
 
 
 class BatchEngine:
@@ -107,6 +110,8 @@ class BatchEngine:
         self.grammars = Grammars(self.vocab)
         self.planner = DraftPlanner(cfg.draft_max) if self.drafter is not None else None
         self.stats = RunStats()
+        self.broken: str | None = None  # why the engine cannot go on, once it cannot
+        self._failed_steps = 0  # in a row
         self._next_index = 0
         self._uids = itertools.count()
 
@@ -130,7 +135,7 @@ class BatchEngine:
         """Queue a prompt (text, or token ids) for params.n samples, which share its KV. With
         score_from (or params.prompt_logprobs, which scores from the second token), the prompt's
         tokens from that index on get their log-probabilities as it is decoded. Raises
-        PromptError when it cannot run; nothing is queued then."""
+        PromptError (or SamplingError, ConstraintError) when it cannot run; nothing is queued then."""
         params = params or SamplingParams()
         if index is None:
             index, self._next_index = self._next_index, self._next_index + 1
@@ -150,6 +155,8 @@ class BatchEngine:
             score_from = 1  # a one-token prompt has nothing to score: its only entry is the null
         if score_from is not None and not 1 <= score_from < len(tokens):
             raise PromptError(f"nothing to score: tokens from {score_from} on of a {len(tokens)}-token prompt")
+        if params.logit_bias and params.logit_bias[-1][0] >= self.vocab.n_vocab:  # sorted: the largest id last
+            raise SamplingError(f"logit_bias: token {params.logit_bias[-1][0]} is outside the vocabulary (0..{self.vocab.n_vocab - 1})")
         constraint = Constraint.of(params)
         matchers = [self.grammars.matcher(constraint) for _ in range(params.n)] if constraint else [None] * params.n
         sequences = [self._new_sequence(index, k, prompt, tokens, p) for k, p in enumerate(params.per_sample())]
@@ -186,10 +193,10 @@ class BatchEngine:
     def _submit_one(self, index: int, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
         try:
             return self.add(prompt, params, index)
-        except (PromptError, ConstraintError) as e:
+        except (PromptError, SamplingError, ConstraintError) as e:
             prompt = prompt if isinstance(prompt, str) else ""
             return [
-                Sequence(index, prompt, p, [], 0, sample=k, status=Status.FINISHED, finish_reason="error", error=str(e))
+                Sequence(index, prompt, p, [], 0, sample=k, status=Status.FINISHED, finish_reason="error", error=str(e), refused=True)
                 for k, p in enumerate(params.per_sample())
             ]
 
@@ -205,34 +212,61 @@ class BatchEngine:
         return self.scheduler.has_work
 
     def step(self) -> list[Event]:
-        """Admit, schedule, fill one batch, decode it once, sample each sequence that is due a token."""
+        """Admit, schedule, fill one batch, decode it once, sample each sequence that is due a token.
+        A step that fails (anything but a full KV cache, which is recovered from) fails the
+        sequences it carried and only those; once MAX_FAILED_STEPS fail in a row the engine is
+        broken and every later step raises EngineBroken."""
+        if self.broken is not None:
+            raise EngineBroken(self.broken)
+        events: list[Event] = []
+        carried: list[Sequence] = []
+        try:
+            self._step(events, carried)
+        except Exception as e:  # noqa: BLE001 - whatever failed, the sequences must end, reported
+            events += self._fail_step(carried or list(self.scheduler.running), e)
+        else:
+            self._failed_steps = 0
+        return events
+
+    def _step(self, events: list[Event], carried: list[Sequence]) -> None:
         started = time.perf_counter()
         for seq in self.scheduler.admit():
             self._take_cached_prefix(seq)
         drafted = self._propose_drafts() if self.planner is not None else None  # None: nothing planned
         scheduled = self.scheduler.schedule(reserved=sum(len(s.draft) for s in drafted) if drafted else 0)
+        carried += scheduled
         for seq in drafted or ():
             seq.n_chunk += len(seq.draft)  # its last token, then the drafts
         if not scheduled:
-            return []
+            return
         try:
             self._decode(scheduled)
         except DecodeError as e:
             if e.code != KV_FULL:
                 raise
-            return self._recover_kv_full(scheduled)
+            events += self._recover_kv_full(scheduled)
+            return
         logits = self.ctx.output_logits(self.batch.n_outputs, self.vocab.n_vocab) if self.batch.n_outputs else None
         due: list[Sequence] = []
         for seq in scheduled:
             self._advance(seq, due, logits)
         tokens_before = self.stats.completion_tokens
-        events = self._sample(due, logits)
+        self._sample(due, logits, events)
         ended = time.perf_counter()
         self.stats.record_step(started, ended)
         if drafted is not None:  # planned, so a pure decode step (_propose_drafts plans none beside a prompt)
             setup = self.drafter.prefill_seconds if drafted else 0.0
             self.planner.observe(bool(drafted), self.stats.completion_tokens - tokens_before, ended - started, setup)
-        return events
+
+    def _fail_step(self, carried: list[Sequence], error: Exception) -> list[Event]:
+        """End every unfinished sequence the failed step carried with the error (their events
+        from before the failure stand)."""
+        message = str(error) if isinstance(error, DecodeError) else f"the engine step failed: {type(error).__name__}: {error}"
+        self._failed_steps += 1
+        self.stats.failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            self.broken = f"{MAX_FAILED_STEPS} engine steps failed in a row, the last with: {message}"
+        return [self._fail(seq, message) for seq in carried if seq.status is not Status.FINISHED]
 
     def run(self) -> Iterator[Event]:
         """Step until every queued sequence has finished, yielding each step's events."""
@@ -432,18 +466,17 @@ class BatchEngine:
         for waiting in [f for f in follower.followers if f.n_shared <= follower.n_past]:
             self._share_prefix(follower, waiting, due)
 
-    def _sample(self, due: list[Sequence], logits: np.ndarray | None) -> list[Event]:
+    def _sample(self, due: list[Sequence], logits: np.ndarray | None, events: list[Event]) -> None:
         """Each due sequence's next token from its row of this step's logits: greedy ones from one
         argmax over all rows, the others through their own sampler chains; constrained ones after
         their rows are masked. A sequence that asked for no tokens (max_tokens 0: its prompt was
-        only scored) ends here."""
+        only scored) ends here. Each event joins `events` as it happens."""
         if not due:
-            return []
+            return
         rows = [self._output_row[s.i_batch] for s in due]
         shared = {r for r, k in Counter(rows).items() if k > 1}  # followers sampling from their leader's row
         raw = self._mask_constrained(due, rows, shared, logits)
         best = logits.argmax(axis=1) if any(isinstance(s.sampler, GreedySampler) for s in due) else None
-        events = []
         for seq, r in zip(due, rows):
             if seq.params.max_tokens == 0:
                 events.append(self._finish(seq, None, "", "length"))
@@ -458,7 +491,6 @@ class BatchEngine:
             if seq.params.logprobs is not None:  # the model's own distribution, before any mask
                 seq.logprobs.append(token_logprob(raw.get(seq.uid, logits[r]), token, seq.params.logprobs))
             events.append(self._accept(seq, token))
-        return events
 
     def _verify(self, seq: Sequence, best: np.ndarray | None, logits: np.ndarray) -> list[Event]:
         """Keep the drafts up to the first the model refuses, then the model's own token there:
@@ -517,7 +549,7 @@ class BatchEngine:
         when its constraint is complete)."""
         seq.tokens.append(token)
         if seq.matcher is not None and not seq.matcher.consume_token(token):
-            return self._finish(seq, token, "", "stop", f"the constraint refused token {token}: {seq.matcher.get_error()}")
+            return self._finish(seq, token, "", "error", f"the constraint refused token {token}: {seq.matcher.get_error()}")
         self.stats.completion_tokens += 1
         if seq.t_first_token is None:
             seq.t_first_token = time.perf_counter()
@@ -563,10 +595,16 @@ class BatchEngine:
             self.scheduler.preempt(victim)
             self.stats.preemptions += 1
             return []
-        seq = self.scheduler.running[0]
-        self.ctx.remove_sequence(seq.seq_id)
-        seq.n_past = 0  # its slot keeps nothing
-        return [self._finish(seq, None, "", "length", "KV cache full: the sequence does not fit even alone")]
+        return [self._fail(self.scheduler.running[0], "KV cache full: the sequence does not fit even alone")]
+
+    def _fail(self, seq: Sequence, message: str) -> Event:
+        """End a sequence with the engine's error. Its KV goes: a failed decode may have left
+        part of a batch there."""
+        if seq.status is Status.RUNNING:
+            self.ctx.remove_sequence(seq.seq_id)
+            seq.n_past = 0  # its slot keeps nothing
+        seq.draft = []
+        return self._finish(seq, None, "", "error", message)
 
     # -- lifetime ----------------------------------------------------------------------
 

@@ -80,7 +80,7 @@ class Result:
     prompt: str
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop", "length" or "error"
+    finish_reason: str  # "stop", "length", "error" or "cancelled"
     prompt_tokens: int
     completion_tokens: int
     timings: Timings | None = None  # None when the prompt was rejected
@@ -99,6 +99,7 @@ class RunStats:
     decode_calls: int = 0  # every llama_decode call, including any that found the KV cache full
     sequence_slots: int = 0  # sum over decode calls of the sequences in the batch
     preemptions: int = 0  # sequences sent back to the queue because the KV cache was full
+    failed_steps: int = 0  # steps that failed, failing the sequences they carried
     prompt_tokens_reused: int = 0  # prompt tokens whose KV came from another sequence or a slot's cache
     draft_tokens: int = 0  # speculative tokens verified
     draft_accepted: int = 0  # of which the model agreed with
@@ -136,6 +137,7 @@ class RunStats:
             "decode_calls": self.decode_calls,
             "mean_active_sequences": round(self.mean_active_sequences, 3),
             "preemptions": self.preemptions,
+            "failed_steps": self.failed_steps,
             "draft_tokens": self.draft_tokens,
             "draft_acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_decode": round(self.completion_tokens / self.decode_calls, 3) if self.decode_calls else 0.0,

@@ -15,6 +15,7 @@ from .results import PromptScore, TokenLogprob
 MAX_SEED = 2**32 - 2  # 2**32 - 1 is llama.cpp's "pick a random seed"
 MAX_SAMPLES = 1024
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     penalty_last_n: int = 64  # tokens the penalties look back over; -1 = whole context
+    # Added to these tokens' logits before sampling, as OpenAI's logit_bias ({"token id": bias});
+    # kept as sorted (token, bias) pairs so params stay hashable.
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
     seed: int | None = None  # None = a random seed per sequence
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False  # keep generating past end-of-generation tokens (benchmarks)
@@ -48,6 +52,9 @@ class SamplingParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         if self.json_schema is not None:
             object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
+        if self.logit_bias is not None:
+            pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)) or None)
         for problem in self._problems():
             raise SamplingError(f"invalid sampling parameter: {problem}")
 
@@ -69,6 +76,11 @@ class SamplingParams:
                 yield f"{name} must be in [-2, 2], got {getattr(self, name)}"
         if self.penalty_last_n < -1:
             yield f"penalty_last_n must be >= -1, got {self.penalty_last_n}"
+        for token, bias in self.logit_bias or ():
+            if token < 0:
+                yield f"logit_bias: token ids are >= 0, got {token}"
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                yield f"logit_bias: a bias is in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias:g} for token {token}"
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             yield f"seed must be in [0, {MAX_SEED}], got {self.seed}"
         if not 1 <= self.n <= MAX_SAMPLES:
@@ -101,13 +113,19 @@ class SamplingParams:
 
     @property
     def verifiable(self) -> bool:
-        """Sampled without penalties: speculative drafts can be verified by rejection sampling
-        (penalties would make each draft's distribution depend on the drafts before it)."""
-        return self.temperature > 0 and not self.uses_penalties
+        """Sampled from the model's own distribution: speculative drafts can be verified by
+        rejection sampling (penalties would make each draft's distribution depend on the drafts
+        before it; a logit bias is not in the distribution drafts are verified against)."""
+        return self.temperature > 0 and not self.uses_penalties and self.logit_bias is None
 
     @property
     def uses_penalties(self) -> bool:
         return (self.repeat_penalty, self.presence_penalty, self.frequency_penalty) != (1.0, 0.0, 0.0)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the model's logits as they are (GreedySampler's case)."""
+        return self.temperature == 0 and not self.uses_penalties and self.logit_bias is None
 
 
 def _schema_text(schema: str | dict) -> str:
@@ -131,11 +149,14 @@ class GreedySampler:
 
 
 def build_sampler(params: SamplingParams, n_vocab: int, n_ctx: int) -> GreedySampler | SamplerChain:
-    """Plain greedy gets an argmax; anything else the chain llama.cpp's own tools use:
-    penalties, then truncation, temperature, and a seeded draw."""
-    if params.temperature == 0 and not params.uses_penalties:
+    """Plain greedy gets an argmax; anything else the chain llama.cpp's own tools use: logit
+    bias, penalties, then truncation, temperature, and a seeded draw."""
+    if params.plain_greedy:
         return GreedySampler()
     chain = SamplerChain()
+    if params.logit_bias is not None:  # its ids were checked against the vocabulary (BatchEngine.add)
+        biases = (llama_cpp.llama_logit_bias * len(params.logit_bias))(*params.logit_bias)  # copied by llama.cpp
+        chain.add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
     if params.uses_penalties:
         # The native sampler reads -1 as 0 (off); "whole context" is ours to spell out.
         last_n = n_ctx if params.penalty_last_n == -1 else params.penalty_last_n

@@ -60,8 +60,9 @@ class Sequence:
     leader: Sequence | None = None
     n_shared: int = 0
     followers: list[Sequence] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length", "error" or "cancelled"
     error: str | None = None
+    refused: bool = False  # the error is the caller's (it asked what cannot run), not the engine's
     t_submitted: float = field(default_factory=time.perf_counter)
     t_admitted: float | None = None
     t_first_token: float | None = None

@@ -16,11 +16,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..engine import BatchEngine, SamplingParams
-from ..errors import LlamabatchError
+from ..errors import EngineBroken, LlamabatchError
 from .inputs import STDIN, BadLine, Format, JobRequest, RequestReader, peek_ids
 from .ledger import IdSet, JsonlLog, digest, find_duplicate
-from .manifest import Manifest
+from .manifest import Manifest, job_settings
 from .runner import Outcome, RequestRunner
 
 
@@ -40,6 +42,7 @@ class JobSummary:
     draft_acceptance: float = 0.0
     wall_s: float = 0.0
     stopped_by: str | None = None  # the signal that stopped the job before its end
+    broken: str | None = None  # why the engine stopped the job before its end
 
     @property
     def tokens_per_s(self) -> float:
@@ -47,14 +50,14 @@ class JobSummary:
 
     @property
     def complete(self) -> bool:
-        return self.stopped_by is None
+        return self.stopped_by is None and self.broken is None
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 2), "wall_s": round(self.wall_s, 3),
                 "mean_active_sequences": round(self.mean_active_sequences, 3), "draft_acceptance": round(self.draft_acceptance, 4)}
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     """A stop signal arrived before the job started decoding."""
 
 
@@ -81,7 +84,7 @@ class BatchJob:
         self.engine = engine
         self._setup(input, output, errors, base, retry_errors, overwrite, on_progress)
         self.runner = RequestRunner(engine, self.format, window)
-        self.model = (engine.model_name, engine.model.path)
+        self.settings = job_settings(engine.model_name, engine.model.path, engine.config, self.format, self.base)
 
     def _setup(
         self, input: str | Path, output: str | Path, errors: str | Path | None, base: SamplingParams | None,
@@ -123,11 +126,12 @@ class BatchJob:
         stats = self.engine.stats
         stats_before = (stats.decode_calls, stats.sequence_slots, stats.draft_tokens, stats.draft_accepted)
         try:
-            self.summary.total = self._check_ids()
-            for outcome in self._outcomes(self._resume()):
+            for outcome in self._outcomes(self._prepare()):
                 self._record(outcome)
-        except _Stopped:
+        except Stopped:
             pass
+        except EngineBroken as e:  # what finished is written; a resumed run (--retry-errors) does the rest
+            self.summary.broken = str(e)
         finally:
             self.reader.close()
             self._out.close()
@@ -157,53 +161,77 @@ class BatchJob:
             s.failed += 1
         self.on_progress(s)
 
-    def _check_ids(self) -> int | None:
-        """Count the input's requests and refuse a repeated id before any work (not for stdin).
-        A stop signal ends this pass too: a file of millions of lines takes a while."""
+    def _prepare(self) -> IdSet:
+        """Everything before the first request runs, in an order that changes no file until the
+        job is known to be this one: the manifest checked, what earlier runs answered read back,
+        the input surveyed, then the manifest and the output files opened. Returns the ids (with
+        their requests' digests) already answered."""
+        manifest = Manifest(self.output, self.settings)
+        if not self.overwrite:
+            manifest.check()
+        done = IdSet() if self.overwrite else IdSet.of(self._recorded_ids())
+        self.summary.total = self._survey(done)
+        manifest.write()
+        self._out.open(fresh=self.overwrite)
+        self._err.open(fresh=self.overwrite or self.retry_errors)  # retried ids write new failures if they fail again
+        return done
+
+    def _recorded_ids(self) -> Iterator[tuple[str, str]]:
+        yield from self._out.recorded(self.format.id_field)
+        if not self.retry_errors:
+            yield from self._err.recorded(self.format.id_field)
+
+    def _survey(self, done: IdSet) -> int | None:
+        """Count the input's requests, and before any work refuse a repeated id, an answered
+        request the input now asks differently, and answers to requests it no longer has. Not
+        for stdin (there each line is checked as it is read). A stop signal ends this pass too:
+        a file of millions of lines takes a while."""
         if str(self.input) == STDIN:
             return None
 
         def pairs() -> Iterator[tuple[str, int]]:
-            for pair in peek_ids(self.input, self.format):
+            for id_, n, request in peek_ids(self.input, self.format):
                 if self.stop_signals:
-                    raise _Stopped
-                yield pair
+                    raise Stopped
+                self._check_answered(done, id_, n, request)
+                yield id_, n
 
-        total, duplicate = find_duplicate(pairs)
+        ids, duplicate = find_duplicate(pairs)
         if duplicate:
             id_, first, second = duplicate
             raise LlamabatchError(f"duplicate id {id_!r} on lines {first} and {second} of {self.input}: ids must be unique")
-        return total
+        gone = done.ids[~np.isin(done.ids, ids)]
+        if gone.size:
+            example = next(id_ for id_, _ in self._recorded_ids() if np.isin(np.array(digest(id_), dtype="S16"), gone))
+            raise LlamabatchError(
+                f"{self.output} answers {gone.size} requests that {self.input} does not have (such as {example!r}): "
+                "it is another job's output; use --overwrite or another output"
+            )
+        return int(ids.size)
 
-    def _resume(self) -> IdSet:
-        """Open the output files, and return the ids a run before this one already answered."""
-        manifest = Manifest.for_job(*self.model, self.format, self.base, self.output)
-        if self.overwrite:
-            manifest.write()
-            self._out.open(fresh=True)
-            self._err.open(fresh=True)
-            return IdSet()
-        manifest.check_or_write()
-        done = IdSet.of(self._recorded_ids())
-        self._out.open(fresh=False)
-        self._err.open(fresh=self.retry_errors)  # retried ids write new failures if they fail again
-        return done
-
-    def _recorded_ids(self) -> Iterator[str]:
-        yield from self._out.recorded(self.format.id_field)
-        if not self.retry_errors:
-            yield from self._err.recorded(self.format.id_field)
+    def _check_answered(self, done: IdSet, id_: str, line: int, request: str) -> None:
+        """Refuse an input line whose id was answered for another request (another job's output,
+        or an input edited since)."""
+        recorded = done.request(id_)
+        if recorded is None or recorded == request:
+            return
+        why = "the answer records no request (an older llamabatch wrote it)" if not recorded else "it asked something else then"
+        raise LlamabatchError(
+            f"line {line} of {self.input} ({id_!r}) is not the request {self.output} answered for that id ({why}): "
+            "use --overwrite to start afresh, or another output"
+        )
 
     def _not_done(self, done: IdSet) -> Iterator[JobRequest | BadLine]:
         seen: set[bytes] | None = set() if self.summary.total is None else None  # stdin: duplicates found as they come
         for item in self.reader:
             if item.id in done:
+                self._check_answered(done, item.id, item.line, item.digest)  # for stdin; a file was surveyed
                 self.summary.skipped += 1
                 continue
             if seen is not None:
                 key = digest(item.id)
                 if key in seen:
-                    item = BadLine(item.id, item.line, f"duplicate id {item.id!r}: an earlier line has it")
+                    item = BadLine(item.id, item.line, item.digest, f"duplicate id {item.id!r}: an earlier line has it")
                 seen.add(key)
             yield item
 

@@ -6,6 +6,7 @@ names the problem; the lines around it are unaffected."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import sys
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ class JobRequest:
 
     id: str
     line: int  # 1-based line number in the input
+    digest: str  # what the line asks (request_digest), recorded with its answer
     url: str | None = None  # OpenAI format: the endpoint the body is for
     body: SamplingFields | None = None
     prompt: str | None = None  # llamabatch formats
@@ -56,6 +58,7 @@ class BadLine:
 
     id: str
     line: int
+    digest: str
     message: str
     status: int | None = None
 
@@ -63,6 +66,13 @@ class BadLine:
 def line_id(n: int) -> str:
     """The stable id of a line that does not give one."""
     return f"line-{n}"
+
+
+def request_digest(text: str | None) -> str:
+    """16 hex digits naming what a line asks (its text, line ending aside). Every output and error
+    line records its request's, and a resumed job checks that the input still asks the same."""
+    content = b"\xff" if text is None else text.rstrip("\r\n").encode()  # \xff: never a UTF-8 line
+    return hashlib.blake2b(content, digest_size=8).hexdigest()
 
 
 def open_binary(source: str | Path) -> BinaryIO:
@@ -146,33 +156,34 @@ class LineParser:
     base: SamplingParams
 
     def parse(self, n: int, text: str | None) -> JobRequest | BadLine:
+        digest = request_digest(text)
         if text is None:
-            return BadLine(line_id(n), n, "not UTF-8 text")
+            return BadLine(line_id(n), n, digest, "not UTF-8 text")
         if self.format is Format.TEXT:
-            return JobRequest(line_id(n), n, prompt=text.rstrip("\r\n"), params=self.base)
+            return JobRequest(line_id(n), n, digest, prompt=text.rstrip("\r\n"), params=self.base)
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            return BadLine(line_id(n), n, f"not valid JSON ({e.msg})")
+            return BadLine(line_id(n), n, digest, f"not valid JSON ({e.msg})")
         if not isinstance(obj, dict):
-            return BadLine(line_id(n), n, "expected a JSON object")
+            return BadLine(line_id(n), n, digest, "expected a JSON object")
         id_ = obj.get(self.format.id_field, line_id(n))
         if not isinstance(id_, str) or not id_:
-            return BadLine(line_id(n), n, f"{self.format.id_field} must be a non-empty string")
+            return BadLine(line_id(n), n, digest, f"{self.format.id_field} must be a non-empty string")
         parse = self._openai if self.format is Format.OPENAI else self._jsonl
-        return parse(id_, n, obj)
+        return parse(id_, n, digest, obj)
 
-    def _openai(self, id_: str, n: int, obj: dict) -> JobRequest | BadLine:
+    def _openai(self, id_: str, n: int, digest: str, obj: dict) -> JobRequest | BadLine:
         unknown = set(obj) - _OPENAI_FIELDS
         if unknown:
-            return BadLine(id_, n, f"unknown fields {sorted(unknown)} (a line has custom_id, method, url, body)")
+            return BadLine(id_, n, digest, f"unknown fields {sorted(unknown)} (a line has custom_id, method, url, body)")
         if obj.get("method", "POST") != "POST":
-            return BadLine(id_, n, f"method must be POST, got {obj.get('method')!r}")
+            return BadLine(id_, n, digest, f"method must be POST, got {obj.get('method')!r}")
         url = obj.get("url")
         if url not in ENDPOINTS:
-            return BadLine(id_, n, f"unsupported url {url!r}: supported are {', '.join(ENDPOINTS)}")
+            return BadLine(id_, n, digest, f"unsupported url {url!r}: supported are {', '.join(ENDPOINTS)}")
         if not isinstance(obj.get("body"), dict):
-            return BadLine(id_, n, "body must be a JSON object")
+            return BadLine(id_, n, digest, "body must be a JSON object")
         model, _ = ENDPOINTS[url]
         try:
             body = model.model_validate(obj["body"])
@@ -180,23 +191,23 @@ class LineParser:
                 raise LlamabatchError("stream: a batch job answers whole, set it to false or leave it out")
             body.params()  # sampling values out of range fail now, not after tokenizing
         except ValidationError as e:
-            return BadLine(id_, n, validation_message(e), status=400)
+            return BadLine(id_, n, digest, validation_message(e), status=400)
         except LlamabatchError as e:
-            return BadLine(id_, n, str(e), status=400)
-        return JobRequest(id_, n, url=url, body=body)
+            return BadLine(id_, n, digest, str(e), status=400)
+        return JobRequest(id_, n, digest, url=url, body=body)
 
-    def _jsonl(self, id_: str, n: int, obj: dict) -> JobRequest | BadLine:
+    def _jsonl(self, id_: str, n: int, digest: str, obj: dict) -> JobRequest | BadLine:
         prompt = obj.get("prompt")
         if not isinstance(prompt, str):
-            return BadLine(id_, n, "expected an object with a string 'prompt'")
+            return BadLine(id_, n, digest, "expected an object with a string 'prompt'")
         unknown = set(obj) - _SAMPLING_FIELDS - {"prompt", "id"}
         if unknown:
-            return BadLine(id_, n, f"unknown fields {sorted(unknown)}")
+            return BadLine(id_, n, digest, f"unknown fields {sorted(unknown)}", status=400)
         try:
             params = jsonl_params(self.base, {k: v for k, v in obj.items() if k in _SAMPLING_FIELDS})
         except LlamabatchError as e:
-            return BadLine(id_, n, str(e), status=400)
-        return JobRequest(id_, n, prompt=prompt, params=params)
+            return BadLine(id_, n, digest, str(e), status=400)
+        return JobRequest(id_, n, digest, prompt=prompt, params=params)
 
 
 def jsonl_params(base: SamplingParams, fields_: dict) -> SamplingParams:
@@ -217,11 +228,12 @@ def _chain(first: tuple[int, str | None], rest: Iterator[tuple[int, str | None]]
     yield from rest
 
 
-def peek_ids(source: str | Path, fmt: Format) -> Iterator[tuple[str, int]]:
-    """(id, line number) of every non-blank line, parsing no more than the id: the quick pass
-    before a job that counts its requests and finds duplicate ids."""
+def peek_ids(source: str | Path, fmt: Format) -> Iterator[tuple[str, int, str]]:
+    """(id, line number, request digest) of every non-blank line, parsing no more than the id:
+    the quick pass before a job that counts its requests, finds duplicate ids and checks that
+    what an earlier run answered is still what the input asks."""
     for n, text in numbered_lines(source):
-        yield peek_id(fmt, n, text), n
+        yield peek_id(fmt, n, text), n, request_digest(text)
 
 
 def peek_id(fmt: Format, n: int, text: str | None) -> str:
@@ -234,4 +246,3 @@ def peek_id(fmt: Format, n: int, text: str | None) -> str:
         return line_id(n)
     id_ = obj.get(fmt.id_field, line_id(n)) if isinstance(obj, dict) else line_id(n)
     return id_ if isinstance(id_, str) and id_ else line_id(n)
-

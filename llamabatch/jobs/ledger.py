@@ -28,50 +28,74 @@ def digest(id_: str) -> bytes:
 
 
 class IdSet:
-    """Request ids as a sorted array of digests: 16 bytes an id, O(log n) membership."""
+    """Request ids as a sorted array of digests (16 bytes an id, O(log n) membership), each with
+    the request digest its recorded line answered (b"" where the line recorded none)."""
 
-    def __init__(self, digests: np.ndarray | None = None) -> None:
-        self._sorted = np.unique(digests) if digests is not None and digests.size else np.empty(0, dtype="S16")
+    def __init__(self, ids: np.ndarray | None = None, requests: np.ndarray | None = None) -> None:
+        if ids is None or not ids.size:
+            ids, requests = np.empty(0, dtype="S16"), np.empty(0, dtype="S16")
+        order = np.argsort(ids, kind="stable")
+        self._ids, self._requests = ids[order], requests[order]
 
     @classmethod
-    def of(cls, ids: Iterable[str]) -> IdSet:
-        return cls(_digest_array(ids))
+    def of(cls, pairs: Iterable[tuple[str, str]]) -> IdSet:
+        """From (id, request digest) pairs."""
+        ids, requests = _digest_arrays(pairs)
+        return cls(ids, requests)
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The id digests, sorted."""
+        return self._ids
 
     def __len__(self) -> int:
-        return int(self._sorted.size)
+        return int(self._ids.size)
 
     def __contains__(self, id_: str) -> bool:
-        if not self._sorted.size:
-            return False
+        return self._find(id_) is not None
+
+    def request(self, id_: str) -> str | None:
+        """The request digest recorded with id_'s line ("" if it recorded none); None if id_ is not here."""
+        i = self._find(id_)
+        return None if i is None else self._requests[i].decode()
+
+    def _find(self, id_: str) -> int | None:
+        if not self._ids.size:
+            return None
         key = np.array(digest(id_), dtype="S16")
-        i = int(np.searchsorted(self._sorted, key))
-        return i < self._sorted.size and self._sorted[i] == key
+        i = int(np.searchsorted(self._ids, key))
+        return i if i < self._ids.size and self._ids[i] == key else None
 
 
-def find_duplicate(pairs: Callable[[], Iterable[tuple[str, int]]]) -> tuple[int, tuple[str, int, int] | None]:
-    """Count the (id, line) pairs that `pairs()` yields and find an id given twice, as (id, first
-    line, second line). One pass keeps only digests; a second runs only if one repeats."""
-    ordered = np.sort(_digest_array(id_ for id_, _ in pairs()))
+def find_duplicate(pairs: Callable[[], Iterable[tuple[str, int]]]) -> tuple[np.ndarray, tuple[str, int, int] | None]:
+    """The sorted digests of the ids that `pairs()` yields (with their lines), and an id given
+    twice, as (id, first line, second line). One pass keeps only digests; a second runs only if
+    one repeats."""
+    ordered = np.sort(_digest_arrays((id_, "") for id_, _ in pairs())[0])
     repeats = np.flatnonzero(ordered[1:] == ordered[:-1])
     if not repeats.size:
-        return int(ordered.size), None
+        return ordered, None
     twice = ordered[repeats[0]]
     (id_, first), (_, second) = itertools.islice(
         ((id_, n) for id_, n in pairs() if np.array(digest(id_), dtype="S16") == twice), 2
     )
-    return int(ordered.size), (id_, first, second)
+    return ordered, (id_, first, second)
 
 
-def _digest_array(ids: Iterable[str], chunk: int = 65536) -> np.ndarray:
-    """Digests of ids in chunks, so no list of millions of bytes objects is ever held."""
-    parts, buf = [], []
-    for id_ in ids:
-        buf.append(digest(id_))
-        if len(buf) == chunk:
-            parts.append(np.array(buf, dtype="S16"))
-            buf = []
-    parts.append(np.array(buf, dtype="S16"))
-    return np.concatenate(parts)
+def _digest_arrays(pairs: Iterable[tuple[str, str]], chunk: int = 65536) -> tuple[np.ndarray, np.ndarray]:
+    """Digests of ids, and their request digests, in chunks: no list of millions of bytes
+    objects is ever held."""
+    ids, requests, id_buf, request_buf = [], [], [], []
+    for id_, request in pairs:
+        id_buf.append(digest(id_))
+        request_buf.append(request.encode())
+        if len(id_buf) == chunk:
+            ids.append(np.array(id_buf, dtype="S16"))
+            requests.append(np.array(request_buf, dtype="S16"))
+            id_buf, request_buf = [], []
+    ids.append(np.array(id_buf, dtype="S16"))
+    requests.append(np.array(request_buf, dtype="S16"))
+    return np.concatenate(ids), np.concatenate(requests)
 
 
 class JsonlLog:
@@ -82,8 +106,9 @@ class JsonlLog:
         self._file = None
         self._synced_at = 0.0
 
-    def recorded(self, key: str) -> Iterator[str]:
-        """The `key` field of every line already in the file. A torn last line (no newline, or
+    def recorded(self, key: str) -> Iterator[tuple[str, str]]:
+        """The `key` field (the request's id) of every line already in the file, with the request
+        digest the line recorded ("" for none). A torn last line (no newline, or
         not JSON: the writer was killed mid-line) is cut off; a bad line elsewhere is an error,
         since the file would not be this job's output."""
         if not self.path.exists():
@@ -101,7 +126,8 @@ class JsonlLog:
                     break
                 good_end += len(raw)
                 if isinstance(record.get(key), str):
-                    yield record[key]
+                    request = record.get("request_digest")
+                    yield record[key], request if isinstance(request, str) else ""
         if good_end < self.path.stat().st_size:
             os.truncate(self.path, good_end)
 

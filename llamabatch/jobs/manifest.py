@@ -1,46 +1,66 @@
-"""A job's manifest beside its output (OUTPUT.manifest.json): the model, the input format and the
-default sampling settings that made the output. Resuming into an output made by a different
-job is refused instead of mixing two jobs' results in one file."""
+"""A job's manifest beside its output (OUTPUT.manifest.json): what made the output what it is,
+apart from the requests themselves (each output line records its own request's digest). A
+resumed run with a different model file, input format, sampling defaults or output-changing
+engine setting is refused, naming what changed, instead of mixing two jobs in one file."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..engine import SamplingParams
+from ..engine import EngineConfig, SamplingParams
 from ..errors import LlamabatchError
 from .inputs import Format
+
+FINGERPRINT_BYTES = 4 << 20  # read at each end of a model file: its header, and its last tensors
+
+
+def model_fingerprint(path: Path) -> str:
+    """A model file's identity, cheap for a file of many gigabytes: its size, and a digest of
+    its first and last 4 MiB (the GGUF header with its metadata and vocabulary, and tensor data)."""
+    size = path.stat().st_size
+    h = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        h.update(f.read(FINGERPRINT_BYTES))
+        f.seek(max(0, size - FINGERPRINT_BYTES))
+        h.update(f.read(FINGERPRINT_BYTES))
+    return f"{size}:{h.hexdigest()}"
+
+
+def job_settings(model_name: str, model_path: Path, config: EngineConfig, fmt: Format, base: SamplingParams) -> dict:
+    """What must match for a resumed run to continue the same job."""
+    return {
+        "model": model_name,
+        "model_fingerprint": model_fingerprint(model_path),
+        "format": fmt.value,
+        # OpenAI bodies carry their own sampling fields; the other formats start from these.
+        "defaults": None if fmt is Format.OPENAI else json.loads(json.dumps(asdict(base))),
+        # Engine settings that change what an answer is. Not the context size (a larger one, to
+        # retry prompts that were too long, leaves every earlier answer as valid), nor slots,
+        # threads, batch sizes or speculation.
+        "chat": config.chat,
+        "deterministic": config.deterministic,
+    }
 
 
 @dataclass(frozen=True)
 class Manifest:
     output: Path
-    settings: dict  # what must match for a resumed run to continue the same job
+    settings: dict
 
     @property
     def path(self) -> Path:
         return self.output.with_name(self.output.name + ".manifest.json")
 
-    @classmethod
-    def for_job(cls, model_name: str, model_path: Path, fmt: Format, base: SamplingParams, output: Path) -> Manifest:
-        settings = {
-            "model": model_name,
-            "model_bytes": model_path.stat().st_size,
-            "format": fmt.value,
-            # OpenAI bodies carry their own sampling fields; the other formats start from these.
-            "defaults": None if fmt is Format.OPENAI else json.loads(json.dumps(asdict(base))),
-        }
-        return cls(output, settings)
-
     def write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.settings, indent=1) + "\n")
 
-    def check_or_write(self) -> None:
-        """Refuse to continue another job's output; start this job's manifest if there is none."""
+    def check(self) -> None:
+        """Refuse to continue an output whose manifest records other settings (none yet: fine)."""
         if not self.path.exists():
-            self.write()
             return
         try:
             recorded = json.loads(self.path.read_text())
@@ -50,7 +70,7 @@ class Manifest:
         if changed:
             raise LlamabatchError(
                 f"{self.output} holds the results of a different job ({', '.join(changed)}): "
-                "resume with the same model, input format and sampling options, or use --overwrite"
+                "resume with the same model, input format and options, or use --overwrite"
             )
 
 

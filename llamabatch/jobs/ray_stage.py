@@ -27,11 +27,12 @@ from ray.data import Datasource, ReadTask
 from ray.data.block import BlockMetadata
 
 from ..catalog import Catalog
-from ..engine import BatchEngine, SamplingParams
+from ..engine import BatchEngine, EngineConfig, SamplingParams
 from ..errors import LlamabatchError
-from .batch_job import BatchJob, JobSummary
+from .batch_job import BatchJob, JobSummary, Stopped
 from .inputs import STDIN, BadLine, Format, JobRequest, LineParser, numbered_lines, peek_id
 from .ledger import IdSet, digest
+from .manifest import job_settings
 from .runner import IDLE, Outcome, RequestRunner
 
 BLOCK_ROWS = 256  # lines per block read from the job file
@@ -144,8 +145,10 @@ class RayBatchJob(BatchJob):
         self._setup(input, output, errors, base, retry_errors, overwrite, on_progress)
         self.reader.close()  # the read task opens the file itself
         spec = Catalog.load(engine.get("catalog")).resolve(engine.get("model"))
-        self.model = (spec.name, spec.gguf_path())  # the driver checks the model exists before the cluster loads it
-        self.parallel = engine.get("n_parallel") or spec.parallel
+        # The driver checks the model and settings before the cluster loads them: the actors' engines' config.
+        config = EngineConfig.for_model(spec, **{k: v for k, v in engine.items() if k not in ("model", "catalog")})
+        self.settings = job_settings(spec.name, spec.gguf_path(), config, self.format, self.base)
+        self.parallel = config.n_parallel
         self.engine_options = engine
         self.address = address
         self.replicas = replicas
@@ -157,8 +160,7 @@ class RayBatchJob(BatchJob):
     def run(self) -> JobSummary:
         started = time.perf_counter()
         try:
-            self.summary.total = self._check_ids()
-            done = self._resume()
+            done = self._prepare()
             self.summary.skipped = sum(peek_id(self.format, n, text) in done for n, text in numbered_lines(self.input)) if len(done) else 0
             written: set[bytes] = set()  # a retried batch must not write its ids twice
             for outcome in self._outcomes(done):
@@ -168,6 +170,8 @@ class RayBatchJob(BatchJob):
                     self._record(outcome)
                 if self.stop_signals:  # what is written stays; a resumed run does the rest
                     break
+        except Stopped:
+            pass
         finally:
             self._out.close()
             self._err.close()

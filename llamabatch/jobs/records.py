@@ -8,7 +8,10 @@ from collections.abc import Sequence as Seq
 
 from ..engine import BatchEngine, Sequence
 from ..openai_format import ENDPOINTS, error_body, new_id, response_body, usage
-from .inputs import Format, JobRequest
+from .inputs import BadLine, Format, JobRequest
+
+# Every line records the digest of the request it answers (inputs.request_digest): a resumed job
+# checks the input still asks the same before it skips what is written.
 
 
 def result_record(fmt: Format, request: JobRequest, sequences: Seq[Sequence], engine: BatchEngine, created: int) -> dict:
@@ -17,24 +20,26 @@ def result_record(fmt: Format, request: JobRequest, sequences: Seq[Sequence], en
         kind = ENDPOINTS[request.url][1]
         body = response_body(kind, new_id(kind), created, engine.model_name, sequences, engine.vocab, request.body.shown())
         return {"id": _batch_id(), "custom_id": request.id,
-                "response": {"status_code": 200, "request_id": _request_id(), "body": body}, "error": None}
+                "response": {"status_code": 200, "request_id": _request_id(), "body": body}, "error": None,
+                "request_digest": request.digest}
     choices = [{"index": s.sample, "text": s.text.text, "finish_reason": s.finish_reason, "completion_tokens": s.n_generated}
                for s in sequences]
-    return {"id": request.id, "line": request.line, "prompt": request.prompt, "choices": choices, "usage": usage(sequences)}
+    return {"id": request.id, "line": request.line, "prompt": request.prompt, "choices": choices, "usage": usage(sequences),
+            "request_digest": request.digest}
 
 
-def error_record(fmt: Format, id_: str, line: int, message: str, status: int | None) -> dict:
+def error_record(fmt: Format, item: JobRequest | BadLine, message: str, status: int | None) -> dict:
     """A failed request's error line. `status` is what the server would answer for the same body
     (400 invalid, 500 failed while generating), or None for a line that is not a request at all;
     in OpenAI's format a status comes with the server's error body, as OpenAI writes HTTP errors."""
     code = {None: "invalid_line", 400: "invalid_request"}.get(status, "generation_failed")
-    error = {"code": code, "message": message, "line": line}
+    error = {"code": code, "message": message, "line": item.line}
     if fmt is not Format.OPENAI:
-        return {"id": id_, "line": line, "error": error}
+        return {"id": item.id, "line": item.line, "error": error, "request_digest": item.digest}
     response = None
     if status is not None:
         response = {"status_code": status, "request_id": _request_id(), "body": error_body(status, message)}
-    return {"id": _batch_id(), "custom_id": id_, "response": response, "error": error}
+    return {"id": _batch_id(), "custom_id": item.id, "response": response, "error": error, "request_digest": item.digest}
 
 
 def _batch_id() -> str:

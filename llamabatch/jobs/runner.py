@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..engine import BatchEngine, Sequence, Status
 from ..errors import LlamabatchError
-from ..openai_format import engine_inputs, usage
+from ..openai_format import engine_inputs, failure, usage
 from .inputs import BadLine, Format, JobRequest
 from .records import error_record, result_record
 
@@ -68,7 +68,7 @@ class RequestRunner:
                 elif item is IDLE:
                     break
                 elif isinstance(item, BadLine):
-                    yield self._failure(item.id, item.line, item.message, item.status)
+                    yield self._failure(item, item.message, item.status)
                 else:
                     yield from self._submit(item)
             if not self.engine.has_work:
@@ -111,7 +111,7 @@ class RequestRunner:
         except LlamabatchError as e:
             for seq in req.sequences:
                 self.engine.cancel(seq)
-            yield self._failure(request.id, request.line, str(e), 400)
+            yield self._failure(request, str(e), 400)
             return
         open_sequences = [seq for seq in req.sequences if seq.finish_reason is None]  # max_tokens 0 ends some at once
         if not open_sequences:
@@ -130,9 +130,9 @@ class RequestRunner:
         self._n_open_sequences -= 1
         if req.n_open:
             return
-        failed = next((s for s in req.sequences if s.error), None)
-        if failed is not None:
-            yield self._failure(req.request.id, req.request.line, failed.error, 500)
+        verdict = failure(req.sequences)  # the server's verdict, so the line is the server's answer
+        if verdict is not None:
+            yield self._failure(req.request, verdict.message, verdict.status)
         else:
             yield self._result(req)
 
@@ -141,5 +141,5 @@ class RequestRunner:
         record = result_record(self.format, req.request, req.sequences, self.engine, self._created)
         return Outcome(req.request.id, True, record, counted["prompt_tokens"], counted["completion_tokens"])
 
-    def _failure(self, id_: str, line: int, message: str, status: int | None) -> Outcome:
-        return Outcome(id_, False, error_record(self.format, id_, line, message, status))
+    def _failure(self, item: JobRequest | BadLine, message: str, status: int | None) -> Outcome:
+        return Outcome(item.id, False, error_record(self.format, item, message, status))

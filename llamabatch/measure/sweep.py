@@ -19,27 +19,22 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engine import BatchEngine, SamplingParams, Sequence
+from ..engine import BatchEngine, EngineConfig, SamplingParams, Sequence
 from ..errors import LlamabatchError
 from ..engine.memory import KvShape
 
 
 @dataclass(frozen=True)
 class SweepSettings:
+    """The workload. Everything else (KV layout, batch sizes, threads, GPU layers) is the engine's
+    own resolved config, which the baselines read too: both sides always run alike."""
+
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     prompt_tokens: int = 32
     gen_tokens: int = 64
     shared_prompt: bool = False
     repeat: int = 1
     n_ctx: int | None = None  # default: room for the largest batch
-    n_batch: int = 512
-    n_ubatch: int = 512
-    n_threads: int | None = None
-    gpu_layers: int | None = None
-    kv_unified: bool = False
-    deterministic: bool = False
-    speculative: str = "off"
-    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1:
@@ -54,16 +49,17 @@ class SweepSettings:
         per_seq = -(-(self.prompt_tokens + self.gen_tokens + 1) // 256) * 256
         return self.n_ctx or max(self.batch_sizes) * per_seq
 
-    @property
-    def describe_kv(self) -> str:
-        return (("unified" if self.kv_unified else "per-sequence") + " KV" + (", shared prompt" if self.shared_prompt else "")
-                + (", deterministic" if self.deterministic else "")
-                + (f", speculative {self.speculative}" if self.speculative != "off" else ""))
-
-    def n_kv(self, b: int) -> int:
+    def n_kv(self, b: int, kv_unified: bool) -> int:
         """llama-batched-bench's N_KV: the tokens the batch puts in the KV cache."""
-        prompt = self.prompt_tokens * (1 if self.shared_prompt and self.kv_unified else b)
+        prompt = self.prompt_tokens * (1 if self.shared_prompt and kv_unified else b)
         return prompt + b * self.gen_tokens
+
+
+def describe(settings: SweepSettings, config: EngineConfig) -> str:
+    """The KV layout and modes a sweep ran with, for captions."""
+    return (("unified" if config.kv_unified else "per-sequence") + " KV" + (", shared prompt" if settings.shared_prompt else "")
+            + (", deterministic" if config.deterministic else "")
+            + (f", speculative {config.speculative}" if config.speculative != "off" else ""))
 
 
 @dataclass
@@ -137,11 +133,11 @@ def measure(engine: BatchEngine, settings: SweepSettings, b: int, seed: int = 0)
     t_pp, t_tg = prefilled - started, finished - prefilled
     n_prompt = pp if settings.shared_prompt else b * pp
     return SweepPoint(
-        batch_size=b, prompt_tokens=pp, gen_tokens=tg, n_kv=settings.n_kv(b),
+        batch_size=b, prompt_tokens=pp, gen_tokens=tg, n_kv=settings.n_kv(b, engine.config.kv_unified),
         t_pp=t_pp, s_pp=n_prompt / t_pp, t_tg=t_tg, s_tg=n_generated / t_tg, t=t_pp + t_tg,
         s=(n_prompt + b * tg) / (t_pp + t_tg),
         **latency_percentiles(sequences),
-        kv_bytes=KvShape.of(engine.model).kv_bytes(b * (pp + tg + 1), b, settings.kv_unified, engine.config.n_ubatch),
+        kv_bytes=KvShape.of(engine.model).kv_bytes(b * (pp + tg + 1), b, engine.config.kv_unified, engine.config.n_ubatch),
         peak_rss_bytes=peak_rss(),
         draft_acceptance=engine.stats.acceptance_rate,
         tokens_per_decode=engine.stats.completion_tokens / engine.stats.decode_calls,
@@ -174,10 +170,10 @@ def sweep(engine: BatchEngine, settings: SweepSettings, native: bool = False) ->
         ours, theirs = [], []
         for r in range(settings.repeat):
             if native and r % 2:  # alternate who goes first, so slow drift favours neither
-                theirs.append(native_run(engine.model.path, settings, b, engine.config.n_threads))
+                theirs.append(native_run(engine, settings, b))
             ours.append(measure(engine, settings, b, seed=r))
             if native and not r % 2:
-                theirs.append(native_run(engine.model.path, settings, b, engine.config.n_threads))
+                theirs.append(native_run(engine, settings, b))
         point = median_point(ours)
         first = first or point
         point.speedup = point.s_tg / first.s_tg
@@ -217,16 +213,14 @@ def peak_rss() -> int:
 # -- baselines -----------------------------------------------------------------------
 
 
-def sequential_baseline(model_path: Path, settings: SweepSettings, b: int, n_threads: int) -> tuple[float, float]:
+def sequential_baseline(engine: BatchEngine, settings: SweepSettings, b: int) -> tuple[float, float]:
     """The same b prompts one after another through llama-cpp-python's high-level Llama
-    (greedy, EOS ignored); returns (S_TG, S) by the same definitions."""
+    (greedy, EOS ignored), on the engine's device and threads; returns (S_TG, S) by the same
+    definitions."""
     from llama_cpp import Llama
 
     pp, tg = settings.prompt_tokens, settings.gen_tokens
-    llm = Llama(
-        str(model_path), n_ctx=-(-(pp + tg + 1) // 256) * 256, n_batch=settings.n_batch, n_ubatch=settings.n_ubatch,
-        n_threads=n_threads, n_threads_batch=n_threads, n_gpu_layers=settings.gpu_layers or 0, verbose=False,
-    )
+    llm = Llama(str(engine.model.path), **sequential_settings(engine.config, settings), verbose=False)
     try:
         t_tg = t_all = 0.0
         for prompt in random_prompts(b, pp, llm.n_vocab(), seed=0):
@@ -245,6 +239,14 @@ def sequential_baseline(model_path: Path, settings: SweepSettings, b: int, n_thr
     return b * tg / t_tg, b * (pp + tg) / t_all
 
 
+def sequential_settings(config: EngineConfig, settings: SweepSettings) -> dict:
+    """Llama's keyword arguments: one sequence's context, the engine's batch sizes, threads and GPU layers."""
+    return dict(
+        n_ctx=-(-(settings.prompt_tokens + settings.gen_tokens + 1) // 256) * 256, n_batch=config.n_batch,
+        n_ubatch=config.n_ubatch, n_threads=config.n_threads, n_threads_batch=config.n_threads, n_gpu_layers=config.gpu_layers,
+    )
+
+
 def native_tool(name: str = "llama-batched-bench") -> Path:
     """A tool built by scripts/build_native.sh for the installed llama-cpp-python version."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -258,16 +260,27 @@ def native_tool(name: str = "llama-batched-bench") -> Path:
     return tool
 
 
-def native_run(model_path: Path, settings: SweepSettings, b: int, n_threads: int) -> dict:
-    """One llama-batched-bench run of batch size b with settings identical to ours; its JSON row."""
+def native_command(engine: BatchEngine, settings: SweepSettings, b: int) -> list[str]:
+    """llama-batched-bench for batch size b with the engine's own settings (device included)."""
+    config = engine.config
     # llama-batched-bench makes b sequence slots: give each the cells ours has (all of them when unified).
-    n_ctx = settings.context if settings.kv_unified else b * (settings.context // max(settings.batch_sizes))
-    command = [
-        str(native_tool()), "-m", str(model_path), "-c", str(n_ctx), "-b", str(settings.n_batch),
-        "-ub", str(settings.n_ubatch), "-t", str(n_threads), "-ngl", str(settings.gpu_layers or 0), "-fa", "auto",
+    n_ctx = settings.context if config.kv_unified else b * (settings.context // max(settings.batch_sizes))
+    return [
+        str(native_tool()), "-m", str(engine.model.path), "-c", str(n_ctx), "-b", str(config.n_batch),
+        "-ub", str(config.n_ubatch), "-t", str(config.n_threads), "-ngl", _native_gpu_layers(config.gpu_layers), "-fa", "auto",
         "-npp", str(settings.prompt_tokens), "-ntg", str(settings.gen_tokens), "-npl", str(b),
-        "-kvu" if settings.kv_unified else "-no-kvu", *(["-pps"] if settings.shared_prompt else []),
+        "-kvu" if config.kv_unified else "-no-kvu", *(["-pps"] if settings.shared_prompt else []),
     ]
+
+
+def _native_gpu_layers(gpu_layers: int) -> str:
+    """The engine's -1 (llama.cpp's C API: every layer) as llama.cpp's tools spell it: there -1 is 'auto' (fit)."""
+    return "all" if gpu_layers < 0 else str(gpu_layers)
+
+
+def native_run(engine: BatchEngine, settings: SweepSettings, b: int) -> dict:
+    """One llama-batched-bench run of batch size b with settings identical to ours; its JSON row."""
+    command = native_command(engine, settings, b)
     # Its results go through llama.cpp's log thread, which is not flushed at exit
     # (llama.cpp issue 22142): a very short run can end before its table is written. Retry.
     for _ in range(3):

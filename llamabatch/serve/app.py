@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -24,12 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import BatchEngine, SamplingParams
 from ..errors import LlamabatchError
 from ..openai_format import (
-    ChatRequest, CompletionRequest, SamplingFields, engine_inputs, error_body, validation_message,
+    ChatRequest, CompletionRequest, SamplingFields, engine_inputs, error_body, failure, validation_message,
 )
 from .metrics import Metrics
 from .openai_api import BatchRequest, Reply
 from .tokenizer_api import tokenizer_routes
-from .worker import EngineWorker, QueueFull, Request
+from .worker import EngineUnavailable, EngineWorker, QueueFull, Request
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.get("/health", responses=_errors(503))
     async def health() -> dict:
-        if worker.load_error is not None:
-            return _error(503, f"the model failed to load: {worker.load_error}", kind="server_error")
-        if not worker.ready.is_set() or worker.engine is None:
-            return _error(503, "the model is loading", kind="server_error")
+        try:
+            _engine(worker)
+        except HTTPException as e:
+            return _error(e.status_code, str(e.detail))
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {}}}})
@@ -99,16 +100,16 @@ def create_app(settings: ServerSettings) -> FastAPI:
             prompts, params = engine_inputs(body, engine)
         except LlamabatchError as e:
             raise HTTPException(400, str(e)) from None
-        job = await _submit(worker, prompts, params, metrics)
+        job = await _submit(worker, prompts, params, metrics, settings.request_timeout)
         reply = Reply(job, engine, kind, settings.request_timeout, metrics, body.shown())
         if body.stream:
             chunks = reply.chat_chunks(worker) if kind == "chat.completion" else reply.completion_chunks(worker)
             return StreamingResponse(chunks, media_type="text/event-stream")
         return await reply.whole(worker, http)
 
-    @app.post("/v1/batch/completions", dependencies=[Depends(authorized)], responses=_errors(400, 401, 429, 503, 504))
+    @app.post("/v1/batch/completions", dependencies=[Depends(authorized)], responses=_errors(400, 401, 429, 500, 503, 504))
     async def batch_completions(body: BatchRequest, http: HttpRequest) -> dict:
-        job = await _submit(worker, body.prompts, _params(body), metrics)
+        job = await _submit(worker, body.prompts, _params(body), metrics, settings.request_timeout)
         reply = Reply(job, _engine(worker), "batch.completion", settings.request_timeout, metrics)
         return await reply.batch(worker, http)
 
@@ -131,10 +132,11 @@ class ErrorBody(BaseModel):
 
 
 _WHY = {
-    400: "Invalid JSON, fields or prompt (OpenAI error body)",
+    400: "Invalid JSON, fields or prompt, or more sequences than --max-queue (OpenAI error body)",
     401: "Missing or wrong API key (only with --api-key)",
     429: "The queue is full (--max-queue); retry after Retry-After seconds",
-    503: "The model is loading, or failed to load",
+    500: "The engine failed while generating the answer (the message says how)",
+    503: "The model is loading, failed to load, or the engine has stopped",
     504: "The request ran longer than --request-timeout",
 }
 
@@ -147,7 +149,7 @@ def _errors(*codes: int) -> dict:
 _GENERATION = {
     200: {"description": "The answer; with stream: true, Server-Sent Events of chunks, then data: [DONE]",
           "content": {"application/json": {}, "text/event-stream": {"schema": {}}}},
-    **_errors(400, 401, 429, 503, 504),
+    **_errors(400, 401, 429, 500, 503, 504),
 }
 
 
@@ -194,8 +196,13 @@ def _authorization(api_key: str | None):
 
 
 def _engine(worker: EngineWorker) -> BatchEngine:
+    """The serving engine, or 503 with the reason there is none."""
+    if worker.load_error is not None:
+        raise HTTPException(503, f"the model failed to load: {worker.load_error}")
+    if worker.broken is not None:
+        raise HTTPException(503, worker.broken)
     if worker.engine is None:
-        raise HTTPException(503, "the model is still loading")
+        raise HTTPException(503, "the model is loading")
     return worker.engine
 
 
@@ -206,21 +213,33 @@ def _params(body: SamplingFields) -> SamplingParams:
         raise HTTPException(400, str(e)) from None
 
 
-async def _submit(worker: EngineWorker, prompts: list, params: SamplingParams, metrics: Metrics) -> Request:
-    """Hand the prompts to the engine; 429 when the queue is full, 400 when a prompt cannot run."""
+async def _submit(worker: EngineWorker, prompts: list, params: SamplingParams, metrics: Metrics, timeout: float) -> Request:
+    """Hand the prompts to the engine and wait until it has taken them (within the request's
+    timeout). 429 when the queue is full for now, 400 when the request can never run (a prompt
+    refused, more sequences than any queue takes), 503 when the engine has stopped."""
     _engine(worker)
     job = Request(loop=asyncio.get_running_loop())
     try:
         worker.submit(job, prompts, [params] * len(prompts))
+        await asyncio.wait_for(job.submitted, timeout=max(0.0, job.t_start + timeout - time.perf_counter()))
     except QueueFull as e:
         metrics.failed.inc()
         raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
-    await job.submitted
-    rejected = [seq for seq in job.sequences if seq.finish_reason == "error"]
-    if rejected:
+    except EngineUnavailable as e:
+        metrics.failed.inc()
+        raise HTTPException(503, str(e)) from None
+    except LlamabatchError as e:  # TooLarge; a chat template the model cannot render
+        metrics.failed.inc()
+        raise HTTPException(400, str(e)) from None
+    except asyncio.TimeoutError:
+        worker.cancel(job)  # queued behind the take, should it still come
+        metrics.failed.inc()
+        raise HTTPException(504, f"the engine did not take the request within {timeout:g} s") from None
+    verdict = failure(job.sequences)  # prompts refused at once: empty, too long, a bad constraint
+    if verdict is not None:
         worker.cancel(job)
         metrics.failed.inc()
-        raise HTTPException(400, f"prompt {rejected[0].index}: {rejected[0].error}")
+        raise HTTPException(verdict.status, verdict.message)
     return job
 
 

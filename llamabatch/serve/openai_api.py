@@ -13,8 +13,8 @@ from pydantic import Field
 
 from ..engine import BatchEngine, Event
 from ..openai_format import (
-    NonEmptyStr, SamplingFields, Shown, chat_logprobs, choice_index, completion_logprobs, finish_reason, new_id, prompt_logprobs,
-    response_body, usage,
+    NonEmptyStr, SamplingFields, Shown, chat_logprobs, choice_index, completion_logprobs, error_body, failure, new_id,
+    prompt_logprobs, response_body, usage,
 )
 from .metrics import Metrics
 from .worker import EngineWorker, Request
@@ -71,10 +71,17 @@ class Reply:
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "choices": choices, **extra}
 
     async def _drain(self, worker: EngineWorker, http: HttpRequest) -> None:
+        """Wait for every sequence to finish; an HTTPException when the request failed."""
         async for _ in self.events(worker, http):
             pass
         if self.n_open:
             raise HTTPException(499, "the client disconnected")
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        verdict = failure(self.job.sequences)
+        if verdict is not None:
+            raise HTTPException(verdict.status, verdict.message)
 
     async def whole(self, worker: EngineWorker, http: HttpRequest) -> dict:
         """The completion or chat.completion object, once every sequence has finished."""
@@ -106,6 +113,8 @@ class Reply:
     async def _completion_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
         started: set[int] = set()
         async for event in self.events(worker):
+            if event.finish_reason is not None:
+                self._raise_if_failed()  # an error event, then [DONE]; the others are cancelled
             seq = self._by_uid[event.uid]
             if seq.uid not in started:  # a choice's first chunk: the prompt, if the request asked for it
                 started.add(seq.uid)
@@ -114,7 +123,7 @@ class Reply:
             if event.text or event.finish_reason:
                 logprobs = completion_logprobs(seq, [event.logprob] if event.logprob else [], self.vocab)
                 choice = {"index": choice_index(seq), "text": event.text, "logprobs": logprobs,
-                          "finish_reason": finish_reason(event.finish_reason)}
+                          "finish_reason": event.finish_reason}
                 yield self._chunk([choice])
         for chunk in self._usage_chunk():
             yield chunk
@@ -135,11 +144,13 @@ class Reply:
             first = {"index": seq.sample, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
             yield self._chunk([first], object="chat.completion.chunk")
         async for event in self.events(worker):
+            if event.finish_reason is not None:
+                self._raise_if_failed()
             if event.text or event.finish_reason:
                 delta = {"content": event.text} if event.text else {}
                 logprobs = chat_logprobs([event.logprob] if event.logprob else [], self._by_uid[event.uid], self.vocab)
                 choice = {"index": event.sample, "delta": delta, "logprobs": logprobs,
-                          "finish_reason": finish_reason(event.finish_reason)}
+                          "finish_reason": event.finish_reason}
                 yield self._chunk([choice], object="chat.completion.chunk")
         for chunk in self._usage_chunk(object="chat.completion.chunk"):
             yield chunk
@@ -155,12 +166,14 @@ class Reply:
 
 
 async def _errors_as_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Once a stream has started its status is sent: an error (a timeout) becomes an error event."""
+    """Once a stream has started its status is sent: a failure (a failed sequence, a timeout)
+    becomes an error event with the status the whole answer would have had, then [DONE]."""
     try:
         async for chunk in chunks:
             yield chunk
     except HTTPException as e:
-        yield _sse({"error": {"message": str(e.detail), "type": "server_error", "param": None, "code": e.status_code}})
+        yield _sse(error_body(e.status_code, str(e.detail)))
+        yield "data: [DONE]\n\n"
 
 
 def _sse(obj: dict) -> str:

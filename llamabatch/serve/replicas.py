@@ -136,8 +136,8 @@ def front_app(engines: DeploymentHandle) -> type:
     return Front
 
 
-def deploy(settings: ServerSettings, replicas: int, threads: int, host: str, port: int, slots: int) -> None:
-    """Start Ray Serve on host:port with `replicas` engines of `threads` CPU threads each."""
+def deploy(settings: ServerSettings, replicas: int, threads: int, gpus: float, host: str, port: int, slots: int) -> None:
+    """Start Ray Serve on host:port with `replicas` engines of `threads` CPU threads (and `gpus` GPUs) each."""
     serve.start(http_options={"host": host, "port": port})
     engine = {**settings.engine, "n_threads": threads}
     # Prefer the replica that served the longest prefix of the prompt (a third of it or more:
@@ -146,7 +146,7 @@ def deploy(settings: ServerSettings, replicas: int, threads: int, host: str, por
     router = RequestRouterConfig(request_router_class=PrefixCacheAffinityRouter,
                                  request_router_kwargs={"imbalanced_threshold": slots, "match_rate_threshold": 0.3})
     engines = serve.deployment(EngineReplica).options(
-        name="engine", num_replicas=replicas, ray_actor_options={"num_cpus": threads},
+        name="engine", num_replicas=replicas, ray_actor_options={"num_cpus": threads, "num_gpus": gpus},
         max_ongoing_requests=settings.max_queue + slots, request_router_config=router,
     ).bind(ServerSettings(**{**settings.__dict__, "engine": engine}))
     serve.run(front_app(engines).options(name="front", ray_actor_options={"num_cpus": 0}).bind(engines),

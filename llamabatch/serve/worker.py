@@ -3,6 +3,10 @@
 The engine (and the llama.cpp context under it) is touched only by the worker thread. Callers
 submit prompts and get a Request back; each step's events are pushed to the Request's asyncio
 queue on the caller's event loop. Cancelling a Request frees its sequences at the next step.
+
+A step that fails fails its own sequences (the engine reports them) and the thread goes on. If
+the engine breaks, every open and queued request fails at once, later ones are refused, and
+`broken` says why; the engine is closed only when the worker stops, so nothing reads freed memory.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine import BatchEngine, Event, SamplingParams, Sequence
-from ..errors import LlamabatchError
+from ..errors import EngineBroken, LlamabatchError
 
 
 # A client whose stream has this many events it has not read has stopped reading: its
@@ -24,7 +28,15 @@ MAX_UNREAD_EVENTS = 256
 
 
 class QueueFull(LlamabatchError):
-    """More sequences are waiting than the server's --max-queue allows."""
+    """More sequences are waiting than the server's --max-queue allows (for now: retry later)."""
+
+
+class TooLarge(LlamabatchError):
+    """A request with more sequences than --max-queue: it could never be queued."""
+
+
+class EngineUnavailable(LlamabatchError):
+    """The engine has stopped (see EngineWorker.broken): nothing more can run."""
 
 
 @dataclass(eq=False)
@@ -55,6 +67,7 @@ class EngineWorker:
         self.observer = observer or Observer()
         self.engine: BatchEngine | None = None
         self.load_error: BaseException | None = None
+        self.broken: str | None = None  # why the engine stopped serving, once it has
         self.ready = threading.Event()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._owners: dict[int, tuple[Request, Sequence]] = {}  # sequence uid -> its request, and itself
@@ -73,6 +86,8 @@ class EngineWorker:
         self._stop.set()
         self._inbox.put(lambda: None)  # wake it
         self._thread.join()
+        if self.engine is not None:
+            self.engine.close()
 
     @property
     def queued(self) -> int:
@@ -84,14 +99,22 @@ class EngineWorker:
         return len(self.engine.scheduler.running) if self.engine else 0
 
     def submit(self, request: Request, prompts: list, params: list[SamplingParams]) -> None:
-        """Queue prompts for `request`; raises QueueFull when the queue cannot take them all."""
+        """Queue prompts for `request`. Raises TooLarge when no queue could take them all,
+        QueueFull when this one cannot now, EngineUnavailable when the engine has stopped."""
         n = sum(p.n for p in params)
-        with self._pending_lock:
+        if n > self.max_queue:
+            raise TooLarge(
+                f"the request asks for {n} sequences (prompts x n) and the server queues at most {self.max_queue} "
+                "(--max-queue): split it"
+            )
+        request.submitted = request.loop.create_future()
+        with self._pending_lock:  # held while queueing, so _break either sees this job or refuses it here
+            if self.broken is not None:
+                raise EngineUnavailable(self.broken)
             if self.queued + n > self.max_queue:
                 raise QueueFull(f"the queue is full ({self.queued} sequences waiting, --max-queue {self.max_queue})")
             self._pending += n
-        request.submitted = request.loop.create_future()
-        self._inbox.put(lambda: self._take(request, prompts, params))
+            self._inbox.put(lambda: self._take(request, prompts, params))
 
     def cancel(self, request: Request) -> None:
         self._inbox.put(lambda: self._cancel(request))
@@ -111,8 +134,21 @@ class EngineWorker:
                 self._drain_inbox(block=not self.engine.has_work)
                 if self.engine.has_work:
                     self._step()
-        finally:
-            self.engine.close()
+                if self.engine.broken is not None:
+                    raise EngineBroken(self.engine.broken)
+        except Exception as e:  # noqa: BLE001 - whatever it was, the requests must hear of it
+            self._break(e)
+
+    def _break(self, error: Exception) -> None:
+        """The engine cannot go on: fail every request it holds or has queued, refuse the rest."""
+        with self._pending_lock:
+            self.broken = f"the engine stopped: {error}"
+        for request, seq in list(self._owners.values()):
+            seq.finish_reason, seq.error = "error", self.broken
+            self._forget(seq)
+            event = Event(seq.index, None, "", "error", self.broken, seq.sample, seq.uid)
+            request.loop.call_soon_threadsafe(request.events.put_nowait, event)
+        self._drain_inbox(block=False)  # submissions already queued are refused by _take
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -126,6 +162,9 @@ class EngineWorker:
     def _take(self, request: Request, prompts: list, params: list[SamplingParams]) -> None:
         with self._pending_lock:
             self._pending -= sum(p.n for p in params)
+        if self.broken is not None:
+            request.loop.call_soon_threadsafe(_resolve, request.submitted, EngineUnavailable(self.broken))
+            return
         try:
             sequences = self.engine.submit(prompts, params)
         except Exception as e:  # e.g. a chat template the model cannot render
@@ -139,6 +178,8 @@ class EngineWorker:
         request.loop.call_soon_threadsafe(_resolve, request.submitted, None)
 
     def _cancel(self, request: Request) -> None:
+        if self.broken is not None:  # its sequences have failed already
+            return
         for seq in request.sequences:
             event = self.engine.cancel(seq)
             if event is not None:

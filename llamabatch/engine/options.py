@@ -1,0 +1,95 @@
+"""The engine options a command was given, turned into BatchEngine's keyword arguments in one
+place, so every command spells and means them the same way: --ctx is the KV cache in all,
+--ctx-per-seq one sequence's share, --parallel N or auto, --memory only with --parallel auto."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from ..catalog import Catalog
+from ..errors import ConfigError
+from .config import EngineConfig
+from .memory import parse_size, plan_for
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Named as the command line names them; None: the catalog's (or the engine's) default."""
+
+    model: str | Path | None = None
+    config: Path | None = None  # the catalog file (models.toml)
+    parallel: str | int | None = None  # slots, or "auto": as many as fit --memory
+    ctx: int | None = None  # KV cells in all, shared by the slots
+    ctx_per_seq: int | None = None  # KV cells per sequence: --ctx is this times the slots
+    memory: str | None = None  # the budget --parallel auto plans for (default: what is free now)
+    batch_size: int | None = None
+    ubatch_size: int | None = None
+    threads: int | None = None
+    gpu_layers: int | None = None
+    kv_unified: bool | None = None
+    share_prefixes: bool | None = None
+    deterministic: bool | None = None
+    speculative: str | None = None
+    draft_model: str | None = None
+    draft_max: int | None = None
+    chat: bool | None = None
+    verbose: bool = False
+
+    @classmethod
+    def of(cls, params: Mapping[str, object]) -> EngineOptions:
+        """The engine options among a command's parameters (Typer's context.params), by name."""
+        return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
+
+    @property
+    def auto(self) -> bool:
+        return self.parallel == AUTO
+
+    def engine_kwargs(self, n_sequences: int | None = None) -> dict:
+        """BatchEngine's keyword arguments. With --parallel auto the slots are planned here: as
+        many of --ctx-per-seq cells as fit --memory, never more than n_sequences (when known)."""
+        self._check()
+        n_parallel, n_ctx = self._plan(n_sequences) if self.auto else self._slots()
+        return dict(
+            model=self.model, catalog=self.config, n_parallel=n_parallel, n_ctx=n_ctx, n_batch=self.batch_size,
+            n_ubatch=self.ubatch_size, n_threads=self.threads, gpu_layers=self.gpu_layers, kv_unified=self.kv_unified,
+            share_prefixes=self.share_prefixes, deterministic=self.deterministic, speculative=self.speculative,
+            draft_model=self.draft_model, draft_max=self.draft_max, chat=self.chat, verbose=self.verbose,
+        )
+
+    def _check(self) -> None:
+        """Options that this combination would ignore, or read two ways, are errors."""
+        if self.memory is not None and not self.auto:
+            raise ConfigError("--memory is the budget --parallel auto plans for: add --parallel auto, or drop --memory")
+        if self.ctx is not None and self.ctx_per_seq is not None:
+            raise ConfigError("give --ctx (KV cells in all) or --ctx-per-seq (each sequence's), not both")
+        if self.ctx is not None and self.auto:
+            raise ConfigError("--parallel auto sizes the whole cache: give each sequence's context with --ctx-per-seq, not --ctx")
+        if self.parallel is not None and not self.auto:
+            try:
+                if int(self.parallel) < 1:
+                    raise ValueError
+            except ValueError:
+                raise ConfigError(f"--parallel must be a number >= 1 or 'auto', got {self.parallel!r}") from None
+
+    def _slots(self) -> tuple[int | None, int | None]:
+        n_parallel = None if self.parallel is None else int(self.parallel)
+        if self.ctx_per_seq is None:
+            return n_parallel, self.ctx
+        slots = n_parallel or Catalog.load(self.config).resolve(self.model).parallel
+        return n_parallel, slots * self.ctx_per_seq
+
+    def _plan(self, n_sequences: int | None) -> tuple[int, int]:
+        try:
+            memory = None if self.memory is None else parse_size(self.memory)
+        except ValueError as e:
+            raise ConfigError(f"--memory: {e}") from None
+        kv_unified = EngineConfig.kv_unified if self.kv_unified is None else self.kv_unified
+        planned, _ = plan_for(
+            self.model, catalog=self.config, ctx_per_seq=self.ctx_per_seq, memory=memory, kv_unified=kv_unified,
+            n_ubatch=self.ubatch_size, max_parallel=n_sequences, verbose=self.verbose,
+        )
+        return planned.n_parallel, planned.n_ctx
