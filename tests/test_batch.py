@@ -196,7 +196,7 @@ def test_jsonl_bad_fields_fail_their_line_only(make_engine, tmp_path):
     summary = BatchJob(make_engine(), source, tmp_path / "out.jsonl", base=GREEDY).run()
     assert (summary.done, summary.failed) == (2, 3)
     errors = {e["id"]: e["error"]["message"] for e in lines(tmp_path / "out.jsonl.errors.jsonl")}
-    assert "unknown fields ['colour']" in errors["b"] and "top_p must be in (0, 1]" in errors["c"]
+    assert "unknown field 'colour'" in errors["b"] and "top_p must be in (0, 1]" in errors["c"]
     assert "string 'prompt'" in errors["d"]
 
 
@@ -257,6 +257,57 @@ def test_resume_refuses_another_jobs_output_and_overwrite_starts_afresh(make_eng
         BatchJob(engine, source, tmp_path / "out.jsonl", base=GREEDY).run()
     summary = BatchJob(engine, source, tmp_path / "out.jsonl", base=SamplingParams(max_tokens=9), overwrite=True).run()
     assert summary.done == 2 and all(line["usage"]["completion_tokens"] <= 9 for line in lines(tmp_path / "out.jsonl"))
+
+
+def test_resume_is_keyed_on_the_requests_not_the_file_name(tiny_model, tmp_path):
+    """`batch a.txt -o out` then `batch b.txt -o out` used to skip every line-N of b and exit 0."""
+    a, b, out = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "out.jsonl"
+    a.write_text("hello\nworld\nthe capital of France is\n")
+    b.write_text("one\ntwo\nthree\n")
+    args = ["-m", tiny_model, "--max-tokens", 3, "--temperature", 0, "--ctx", 1024]
+    assert CliRunner().invoke(app, ["batch", str(a), "-o", str(out), *map(str, args)]).exit_code == 0
+    before = out.read_text()
+    refused = CliRunner().invoke(app, ["batch", str(b), "-o", str(out), *map(str, args)])
+    assert refused.exit_code == 1 and "line 1 of" in refused.output and "is not the request" in refused.output
+    assert out.read_text() == before  # nothing written, nothing cut
+    a.write_text("hello\nworld\nthe capital of Italy is\n")  # line 3 edited since it was answered
+    edited = CliRunner().invoke(app, ["batch", str(a), "-o", str(out), *map(str, args)])
+    assert edited.exit_code == 1 and "line 3 of" in edited.output
+    a.write_text("hello\nworld\n")  # line 3 gone: its answer would be another job's
+    shorter = CliRunner().invoke(app, ["batch", str(a), "-o", str(out), *map(str, args)])
+    assert shorter.exit_code == 1 and "answers 1 requests that" in shorter.output and "line-3" in shorter.output
+    a.write_text("hello\nworld\nthe capital of France is\nand a fourth\n")  # the same requests, and one more
+    grown = CliRunner().invoke(app, ["batch", str(a), "-o", str(out), *map(str, args), "--json"])
+    assert grown.exit_code == 0 and json.loads(grown.stdout)["summary"]["skipped"] == 3
+    chat = CliRunner().invoke(app, ["batch", str(a), "-o", str(out), *map(str, args), "--chat"])
+    assert chat.exit_code == 1 and "chat False -> True" in chat.output  # templated and raw answers never mix
+    fresh = CliRunner().invoke(app, ["batch", str(b), "-o", str(out), *map(str, args), "--overwrite"])
+    assert fresh.exit_code == 0 and sorted(by_id(out)) == ["line-1", "line-2", "line-3"]
+
+
+def test_every_line_records_its_requests_digest_and_stdin_is_checked_as_read(make_engine, tmp_path, monkeypatch):
+    from llamabatch.jobs.inputs import request_digest
+
+    source = write_lines(tmp_path / "in.jsonl", [{"id": "a", "prompt": "hello"}, {"id": "b", "prompt": ""}])
+    BatchJob(make_engine(), source, tmp_path / "out.jsonl", base=GREEDY).run()
+    wrote = {**by_id(tmp_path / "out.jsonl"), **by_id(tmp_path / "out.jsonl.errors.jsonl")}
+    texts = source.read_text().splitlines()
+    assert {k: v["request_digest"] for k, v in wrote.items()} == {"a": request_digest(texts[0]), "b": request_digest(texts[1])}
+    changed = write_lines(tmp_path / "changed.jsonl", [{"id": "a", "prompt": "hello there"}])
+    with changed.open() as stdin:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        with pytest.raises(LlamabatchError, match=r"line 1 of - \('a'\) is not the request"):
+            BatchJob(make_engine(), "-", tmp_path / "out.jsonl", base=GREEDY).run()
+
+
+def test_an_output_written_without_request_digests_is_not_resumed(make_engine, tmp_path):
+    source = tmp_path / "in.txt"
+    source.write_text("hello\nworld\n")
+    BatchJob(make_engine(), source, tmp_path / "out.jsonl", base=GREEDY).run()
+    old = [{k: v for k, v in line.items() if k != "request_digest"} for line in lines(tmp_path / "out.jsonl")]
+    write_lines(tmp_path / "out.jsonl", old[:1])  # as an earlier llamabatch wrote it
+    with pytest.raises(LlamabatchError, match="records no request"):
+        BatchJob(make_engine(), source, tmp_path / "out.jsonl", base=GREEDY).run()
 
 
 def test_failed_ids_are_skipped_unless_retried(make_engine, tmp_path):

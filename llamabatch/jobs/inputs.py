@@ -202,7 +202,7 @@ class LineParser:
             return BadLine(id_, n, digest, "expected an object with a string 'prompt'")
         unknown = set(obj) - _SAMPLING_FIELDS - {"prompt", "id"}
         if unknown:
-            return BadLine(id_, n, digest, f"unknown fields {sorted(unknown)}", status=400)
+            return BadLine(id_, n, digest, f"unknown field {sorted(unknown)[0]!r}: llamabatch does not support it", status=400)
         try:
             params = jsonl_params(self.base, {k: v for k, v in obj.items() if k in _SAMPLING_FIELDS})
         except LlamabatchError as e:
