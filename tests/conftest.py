@@ -1,14 +1,9 @@
 from __future__ import annotations
 
 import os
-
-# Deterministic mode turns off ggml's tiled K-quant matmul, which ggml reads once per process
-# at the first matmul: set it before any test decodes, so deterministic engines can run in
-# this process too. (A fresh `llamabatch --deterministic` process sets it itself; a test runs
-# that path in a subprocess.)
-os.environ.setdefault("GGML_CPU_TILED_MM", "0")
-
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +17,26 @@ from llamabatch import BatchEngine
 from llamabatch.serve.app import ServerSettings, create_app
 
 from tiny_model import write_tiny_model
+
+# Deterministic mode switches ggml to kernels whose results do not depend on a batch's rows, and
+# ggml reads that switch once per process, at its first matmul. Setting it for the whole suite
+# would leave no test running the kernels users get; so a test that builds a deterministic
+# engine is marked fresh_process and runs alone in a new interpreter, as `llamabatch
+# --deterministic` runs, where the engine sets the switch itself before anything decodes.
+FRESH_PROCESS = "LLAMABATCH_TEST_FRESH_PROCESS"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if pyfuncitem.get_closest_marker("fresh_process") is None or os.environ.get(FRESH_PROCESS):
+        return None
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", pyfuncitem.nodeid, "-q", "-p", "no:cacheprovider"],
+        cwd=pyfuncitem.config.rootpath, env={**os.environ, FRESH_PROCESS: "1"}, capture_output=True, text=True, timeout=900,
+    )
+    if done.returncode != 0 or " passed" not in done.stdout:
+        pytest.fail(f"failed in a fresh process:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}", pytrace=False)
+    return True
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import shlex
 import signal
@@ -101,6 +102,7 @@ def test_jsonl_ids_per_line_sampling_samples_and_stop_strings(make_engine, tmp_p
     assert out["line-3"]["usage"]["completion_tokens"] == sum(c["completion_tokens"] for c in samples)
 
 
+@pytest.mark.fresh_process
 def test_openai_bodies_equal_the_servers_answers(make_engine, serve, tmp_path):
     """Mixed completion and chat requests, n > 1, stop strings, sampling fields, logprobs: each
     output body is what `llamabatch serve` answers for the same body (greedy, so exactly)."""
@@ -115,10 +117,10 @@ def test_openai_bodies_equal_the_servers_answers(make_engine, serve, tmp_path):
                                                "logprobs": 1}),
     ]
     source = write_lines(tmp_path / "in.jsonl", requests)
-    # per-sequence KV on both sides, so greedy tokens do not depend on how requests were batched
-    summary = BatchJob(make_engine(n_ctx=2048, n_parallel=4, kv_unified=False), source, tmp_path / "out.jsonl").run()
+    # deterministic on both sides, so greedy tokens do not depend on how requests were batched
+    summary = BatchJob(make_engine(n_ctx=2048, n_parallel=4, deterministic=True), source, tmp_path / "out.jsonl").run()
     assert (summary.done, summary.failed) == (4, 0)
-    base = serve(engine_extra={"kv_unified": False})
+    base = serve(engine_extra={"deterministic": True})
     out = by_id(tmp_path / "out.jsonl", key="custom_id")
     for request in requests:
         line = out[request["custom_id"]]
@@ -227,10 +229,11 @@ def test_sampling_flags_are_refused_for_openai_bodies_and_output_must_not_be_the
 # -- resume ------------------------------------------------------------------------------
 
 
+@pytest.mark.fresh_process
 def test_a_rerun_skips_what_is_done_and_cuts_a_torn_last_line(make_engine, tmp_path):
     source = tmp_path / "in.txt"
     source.write_text("".join(f"{p} {i}\n" for i, p in enumerate(PROMPTS * 5)))
-    engine = make_engine()
+    engine = make_engine(deterministic=True)  # the resumed run's batches differ: greedy text is equal only here
     BatchJob(engine, source, tmp_path / "full.jsonl", base=GREEDY).run()
     full = by_id(tmp_path / "full.jsonl")
     # A killed writer: ten whole lines, then half of the eleventh.
@@ -362,10 +365,10 @@ def job_input(tmp_path) -> Path:
 
 
 def batch_args(tiny_model, source: Path, output: Path, *extra) -> list:
-    # per-sequence KV: on the F32 tiny model a sequence's greedy tokens then do not depend on its batch,
-    # so a resumed job's outputs can be compared with an uninterrupted one's exactly
+    # deterministic mode (each run a fresh process, as it must be): a sequence's greedy tokens then do
+    # not depend on its batch, so a resumed job's outputs can be compared with an uninterrupted one's exactly
     return ["batch", source, "-o", output, "-m", tiny_model, "--max-tokens", 8, "--temperature", 0, "--ignore-eos",
-            "--parallel", 16, "--ctx", 4096, "--no-kv-unified", *extra]
+            "--parallel", 16, "--ctx", 4096, "--deterministic", *extra]
 
 
 def test_kill_9_at_a_random_point_then_resume_gives_every_id_once(tiny_model, job_input, tmp_path):
@@ -374,11 +377,14 @@ def test_kill_9_at_a_random_point_then_resume_gives_every_id_once(tiny_model, jo
     output = tmp_path / "out.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "llamabatch.cli", *map(str, batch_args(tiny_model, job_input, output))],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_lines(output, random.randint(100, 2000), proc)
+    seed = int(os.environ.get("LLAMABATCH_KILL_SEED", random.randrange(2**32)))
+    kill_after = random.Random(seed).randint(100, 2000)
+    print(f"kill -9 after {kill_after} lines (LLAMABATCH_KILL_SEED={seed} repeats it)")
+    wait_for_lines(output, kill_after, proc)
     proc.kill()
     proc.wait()
     killed_at = output.read_bytes().count(b"\n")
-    assert killed_at < 3000
+    assert killed_at < 3000, f"the job ended before the kill (seed {seed})"
     resumed = cli(*batch_args(tiny_model, job_input, output, "--json"))
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads(resumed.stdout.splitlines()[-1])["summary"]

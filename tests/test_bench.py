@@ -35,6 +35,7 @@ def test_a_measurement_follows_llama_batched_bench_definitions(make_engine, deco
     assert 0 < point.ttft_p50_s <= point.ttft_p99_s and 0 < point.tpot_p50_s <= point.tpot_p99_s
 
 
+@pytest.mark.fresh_process
 def test_deterministic_measurement_prefills_each_prompt_alone_then_decodes_together(make_engine, decode_calls):
     settings = SweepSettings(batch_sizes=(4,), prompt_tokens=10, gen_tokens=6)
     engine = make_engine(n_parallel=4, n_ctx=settings.context, deterministic=True)

@@ -55,6 +55,7 @@ def test_a_draft_model_that_does_not_exist_is_named(tiny_model, tmp_path):
     assert result.exit_code != 0 and "GGUF file not found" in result.output and "nope.gguf" in result.output
 
 
+@pytest.mark.fresh_process
 def test_deterministic_run_gives_the_same_completions_at_any_parallel(tiny_model):
     prompts = ["-p", "hello", "-p", "word " * 60, "-p", "a", "-p", "the capital of France is"]
     texts = []

@@ -19,6 +19,7 @@ PROMPTS = ["hi", "the capital of France is", "word " * 60, "Once upon a time " *
 # (the tiny model's byte vocabulary makes "word " * 60 a 302-token prompt)
 
 
+@pytest.mark.fresh_process
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
     SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True),
@@ -31,6 +32,7 @@ def test_every_prompt_alone_equals_it_in_any_batch(tiny_model, params):
     assert all(c.logprobs_identical for c in checks), [c for c in checks if not c.logprobs_identical]
 
 
+@pytest.mark.fresh_process
 @pytest.mark.parametrize("n", [1, 3])
 def test_samples_equal_solo_runs_seeded_seed_plus_k(make_engine, n):
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True, n=n)
@@ -109,7 +111,7 @@ def test_deterministic_mode_refuses_settings_that_break_it(make_engine):
 
 
 def test_it_cannot_start_after_ggml_chose_its_matmul(monkeypatch):
-    monkeypatch.delenv("GGML_CPU_TILED_MM")
+    monkeypatch.delenv("GGML_CPU_TILED_MM", raising=False)
     monkeypatch.setattr(native, "_decoded", True)
     with pytest.raises(ConfigError, match="before this process decodes anything"):
         native.use_row_invariant_matmul()
@@ -133,6 +135,7 @@ def test_default_model_prompts_past_512_kv_cells_in_a_fresh_process(tmp_path):
     assert done.stdout.count('"logprobs_identical": true') == 8
 
 
+@pytest.mark.fresh_process
 def test_a_filler_never_lands_in_a_full_stream(make_engine):
     """A finished sequence that filled its stream leaves no KV behind (nothing reuses it in
     this mode), so a filler there does not run the cache full."""

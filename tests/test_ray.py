@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -16,8 +18,7 @@ import pytest
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
-from llamabatch import BatchEngine, SamplingParams  # noqa: E402
-from llamabatch.jobs import BatchJob  # noqa: E402
+from llamabatch import SamplingParams  # noqa: E402
 from llamabatch.jobs import ray_stage  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -42,8 +43,8 @@ def prompts_file(path: Path, n: int, min_tokens: int = 4) -> Path:
     return path
 
 
-def engine_options(tiny_model: Path) -> dict:
-    return {"model": str(tiny_model), "n_parallel": 8, "n_ctx": 2048}
+def engine_options(tiny_model: Path, **extra) -> dict:
+    return {"model": str(tiny_model), "n_parallel": 8, "n_ctx": 2048, **extra}
 
 
 def ids(path: Path, key: str = "id") -> Counter:
@@ -54,30 +55,44 @@ def choices(path: Path) -> dict[str, list]:
     return {r["id"]: [(c["text"], c["finish_reason"]) for c in r["choices"]] for r in map(json.loads, path.open())}
 
 
+def one_process_job(tiny_model: Path, source: Path, output: Path) -> dict:
+    """`llamabatch batch` in a process of its own, deterministic; its summary."""
+    done = subprocess.run(
+        [sys.executable, "-m", "llamabatch.cli", "batch", str(source), "-o", str(output), "-m", str(tiny_model),
+         "--parallel", "8", "--ctx", "2048", "--temperature", "0", "--max-tokens", "8", "--ignore-eos", "--deterministic", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode in (0, 1), done.stderr  # 1: a bad line failed
+    return json.loads(done.stdout.splitlines()[-1])["summary"]
+
+
 def test_every_row_once_and_the_same_lines_as_one_process(tiny_model, tmp_path):
+    """Both sides in deterministic mode: the actors' batches are not the single process's, and
+    greedy text is only guaranteed equal across batch compositions there. (The single-process run
+    is a CLI process of its own: the mode must set ggml's kernels before anything decodes.)"""
     source = prompts_file(tmp_path / "in.jsonl", 500)
-    with BatchEngine(**engine_options(tiny_model)) as engine:
-        single = BatchJob(engine, source, tmp_path / "single.jsonl", base=GREEDY).run()
-    job = ray_stage.RayBatchJob(engine_options(tiny_model), source, tmp_path / "ray.jsonl", replicas=2, threads=1, base=GREEDY)
+    single = one_process_job(tiny_model, source, tmp_path / "single.jsonl")
+    job = ray_stage.RayBatchJob(engine_options(tiny_model, deterministic=True), source, tmp_path / "ray.jsonl",
+                                replicas=2, threads=1, base=GREEDY)
     summary = job.run()
-    assert (summary.done, summary.failed, summary.total) == (single.done, single.failed, 501) == (500, 1, 501)
+    assert (summary.done, summary.failed, summary.total) == (single["done"], single["failed"], 501) == (500, 1, 501)
     written = ids(tmp_path / "ray.jsonl")
     assert set(written) == {f"req-{i}" for i in range(500)} and max(written.values()) == 1
     assert choices(tmp_path / "ray.jsonl") == choices(tmp_path / "single.jsonl")
     error = json.loads((tmp_path / "ray.jsonl.errors.jsonl").read_text())
     assert error["id"] == "line-18" and "not valid JSON" in error["error"]["message"]
-    assert summary.completion_tokens == single.completion_tokens
+    assert summary.completion_tokens == single["completion_tokens"]
 
 
 def test_resume_on_ray_skips_what_the_output_holds(tiny_model, tmp_path):
     source = prompts_file(tmp_path / "in.jsonl", 200)
     out = tmp_path / "out.jsonl"
-    with BatchEngine(**engine_options(tiny_model)) as engine:
-        BatchJob(engine, source, out, base=GREEDY).run()
+    one_process_job(tiny_model, source, out)
     full = choices(out)
     kept = out.read_text().splitlines()[:120]
     out.write_text("\n".join(kept) + "\n" + kept[120 - 1][:25])  # and a torn line, as a kill leaves
-    summary = ray_stage.RayBatchJob(engine_options(tiny_model), source, out, replicas=1, threads=2, base=GREEDY).run()
+    summary = ray_stage.RayBatchJob(engine_options(tiny_model, deterministic=True), source, out, replicas=1, threads=2,
+                                    base=GREEDY).run()
     assert summary.skipped == 120 + 1  # the bad line's error was recorded too
     assert summary.done == 80 and summary.failed == 0
     assert max(ids(out).values()) == 1 and choices(out) == full

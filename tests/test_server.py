@@ -157,6 +157,7 @@ def test_streams_follow_the_sse_format(base):
     assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
 
 
+@pytest.mark.fresh_process
 def test_a_deterministic_server_answers_the_same_alone_and_under_load(serve):
     client = openai.OpenAI(base_url=f"{serve(n_parallel=4, engine_extra={'deterministic': True})}/v1", api_key="-", max_retries=0)
 
@@ -201,14 +202,24 @@ def test_a_request_past_its_timeout_is_cancelled_with_504(serve):
     assert metric(base, "llamabatch_sequences_running") == 0
 
 
+def wait_for(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
 def test_a_waiting_client_that_hangs_up_frees_its_sequence(serve):
     base = serve(n_parallel=1, n_ctx=8192)  # 8000 tokens take seconds: long enough to hang up
+    generated = metric(base, "llamabatch_generated_tokens_total")
+    body = {"prompt": "x", "max_tokens": 8000, "ignore_eos": True}
+    waiting = ThreadPoolExecutor(1).submit(httpx.post, f"{base}/v1/completions", json=body, timeout=1.0)
+    assert wait_for(lambda: metric(base, "llamabatch_generated_tokens_total") > generated + 10)  # it is generating
+    assert metric(base, "llamabatch_sequences_running") == 1
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 8000, "ignore_eos": True}, timeout=0.3)
-    deadline = time.monotonic() + 1.5
-    while metric(base, "llamabatch_sequences_running") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert metric(base, "llamabatch_sequences_running") == 0
+        waiting.result()  # the client hangs up
+    assert wait_for(lambda: metric(base, "llamabatch_sequences_running") == 0, 1.5)
+    assert metric(base, "llamabatch_generated_tokens_total") - generated < 8000  # cut short
 
 
 def test_health_is_503_with_the_reason_when_the_model_cannot_load(tmp_path):
@@ -259,11 +270,9 @@ def test_a_client_that_stops_reading_its_stream_is_cancelled(serve):
         sock.connect(("127.0.0.1", port))
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
-        time.sleep(0.5)
-        deadline = time.monotonic() + 20
-        while metric(base, "llamabatch_sequences_running") and time.monotonic() < deadline:
-            time.sleep(0.05)  # never reading from sock
-        assert metric(base, "llamabatch_sequences_running") == 0
+        # it is generating (never read from sock from here on)
+        assert wait_for(lambda: metric(base, "llamabatch_generated_tokens_total") > generated + 8 * 10)
+        assert wait_for(lambda: metric(base, "llamabatch_sequences_running") == 0, 20)
     assert metric(base, "llamabatch_generated_tokens_total") - generated < 0.75 * 8 * 4000  # cut short
 
 
