@@ -36,7 +36,10 @@ def test_every_prompt_alone_equals_it_in_any_batch(tiny_model, params):
 @pytest.mark.parametrize("n", [1, 3])
 def test_samples_equal_solo_runs_seeded_seed_plus_k(make_engine, n):
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True, n=n)
-    batched = make_engine(n_parallel=4, deterministic=True).generate(["hello", "Once upon a time"], params)
+    engine = make_engine(n_parallel=6, deterministic=True)
+    batched = engine.generate(["hello", "Once upon a time"], params)
+    # the n samples of a prompt, admitted together, share its prefill: it is decoded once, not n times
+    assert engine.stats.prompt_tokens_evaluated == sum(r.prompt_tokens for r in batched if r.sample == 0)
     solo = make_engine(n_parallel=1, deterministic=True)
     for r in batched:
         alone = solo.generate([["hello", "Once upon a time"][r.index]], SamplingParams(

@@ -101,7 +101,7 @@ class Scheduler:
             seq.seq_id, seq.status, seq.t_admitted = slot.seq_id, Status.RUNNING, time.perf_counter()
             # The newest token is decoded again, for its logits; a scored prompt's scored rows too.
             seq.n_past = min(n_cached, len(seq.tokens) - 1, seq.shareable)
-            if self.share_prefixes:
+            if self.share_prefixes or self.batch_invariant:
                 self._follow_a_leader(seq)
             self.running.append(seq)
             admitted.append(seq)
@@ -258,9 +258,15 @@ class Scheduler:
 
     def _follow_a_leader(self, seq: Sequence) -> None:
         """Follow the running sequence still prefilling the longest prefix this one shares, then
-        become a possible leader for later ones."""
+        become a possible leader for later ones. Without prefix sharing (deterministic mode) only
+        an identical prompt is followed, as -n samples are: the follower samples from the row
+        the leader's prefill computed, and its copied KV is that prefill's, so its arithmetic is
+        a solo run's; a partial copy would change how the rest of its prompt is computed."""
         n_best = max(seq.n_past, 0)
+        whole_only = not self.share_prefixes
         for n, other in self._leaders.matches(seq.tokens):
+            if whole_only and not n == len(seq.tokens) == len(other.tokens):
+                continue
             if n == len(seq.tokens) and len(other.tokens) > n:
                 n -= 1  # it must sample from the leader's logits, which exist only at its newest token
             n = min(n, seq.shareable)
