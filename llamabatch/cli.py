@@ -18,9 +18,9 @@ import typer
 from . import display
 from .catalog import Catalog, ModelSpec
 from .engine import BatchEngine, EngineConfig, Result, SamplingParams, Sequence
-from .engine.memory import parse_size, plan_for
+from .engine.memory import plan_for
 from .engine.native import Model, init_backend
-from .engine.options import AUTO, EngineOptions
+from .engine.options import AUTO, EngineOptions, memory_budget
 from .errors import LlamabatchError
 from .jobs.prompts import gather_prompts
 from .measure import sweep as sweep_bench
@@ -436,7 +436,7 @@ def plan(
 ) -> None:
     """How much KV cache each token costs, and the largest --parallel that fits the memory budget."""
     planned, shape = plan_for(
-        model, catalog=config, ctx_per_seq=ctx_per_seq, memory=_size(memory), kv_unified=kv_unified,
+        model, catalog=config, ctx_per_seq=ctx_per_seq, memory=memory_budget(memory), kv_unified=kv_unified,
         n_ubatch=ubatch_size, verbose=verbose,
     )
     row = {**asdict(planned), "n_ctx": planned.n_ctx, "total_bytes": planned.total_bytes, **asdict(shape),
@@ -450,13 +450,6 @@ def plan(
         display.json_line(row)
     else:
         display.plan_table(row)
-
-
-def _size(text: str | None) -> int | None:
-    try:
-        return None if text is None else parse_size(text)
-    except ValueError as e:
-        raise LlamabatchError(f"--memory: {e}") from None
 
 
 @command

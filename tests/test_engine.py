@@ -241,3 +241,62 @@ def test_many_long_sequences_in_a_tiny_cache_all_complete_as_with_ample_memory(m
     assert all(r.error is None and r.completion_tokens == 80 for r in tight)
     ample = make_engine(n_ctx=4096, n_parallel=8, kv_unified=True).generate(prompts, params)
     assert [r.token_ids for r in tight] == [r.token_ids for r in ample]
+
+
+def failing_decode(monkeypatch, times: int | None):
+    """llama_decode answering -1 (llama.cpp's "error") for the next `times` calls (None: all)."""
+    import llama_cpp
+
+    real, left = llama_cpp.llama_decode, [times]
+
+    def decode(ctx, batch):
+        if left[0] is None or left[0] > 0:
+            left[0] = None if left[0] is None else left[0] - 1
+            return -1
+        return real(ctx, batch)
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", decode)
+
+
+def test_a_failed_step_fails_the_sequences_it_carried_and_no_others(make_engine, monkeypatch):
+    engine = make_engine(n_parallel=1)
+    running, waiting = engine.submit(["hello world", "Once upon a time"], GREEDY)
+    engine.step()  # the first prompt is decoding; the second waits for the slot
+    failing_decode(monkeypatch, times=1)
+    events = engine.step()
+    assert [(e.uid, e.finish_reason) for e in events] == [(running.uid, "error")]
+    assert running.error == "llama_decode failed with code -1 (error)" and not running.refused
+    while engine.has_work:
+        engine.step()
+    assert (waiting.finish_reason, waiting.n_generated, waiting.error) == ("length", 12, None)
+    assert engine.stats.failed_steps == 1 and engine.broken is None
+
+
+def test_a_follower_given_its_prefix_in_a_failed_step_fails_with_it(make_engine, monkeypatch):
+    """The step decoded the prompt and copied it to the other samples, then failed before they
+    sampled: they have nothing to decode and would wait forever."""
+    engine = make_engine(n_parallel=4)
+    samples = engine.add("hello world", SamplingParams(temperature=0, max_tokens=4, n=3))
+
+    def broken_sampling(*args):
+        raise RuntimeError("a sampler fault")
+
+    monkeypatch.setattr(engine, "_sample", broken_sampling)
+    events = engine.step()
+    assert sorted(e.uid for e in events) == sorted(s.uid for s in samples)
+    assert all(s.finish_reason == "error" and "RuntimeError: a sampler fault" in s.error for s in samples)
+    assert not engine.has_work
+
+
+def test_three_failed_steps_in_a_row_break_the_engine(make_engine, monkeypatch):
+    from llamabatch import EngineBroken
+
+    engine = make_engine(n_parallel=1)
+    failing_decode(monkeypatch, times=None)
+    for prompt in ("a", "b", "c"):
+        [seq] = engine.submit([prompt], GREEDY)
+        assert [e.finish_reason for e in engine.step()] == ["error"]
+    assert engine.broken.startswith("3 engine steps failed in a row")
+    engine.submit(["d"], GREEDY)
+    with pytest.raises(EngineBroken, match="3 engine steps failed in a row"):
+        engine.step()

@@ -260,13 +260,15 @@ class BatchEngine:
 
     def _fail_step(self, carried: list[Sequence], error: Exception) -> list[Event]:
         """End every unfinished sequence the failed step carried with the error (their events
-        from before the failure stand)."""
+        from before the failure stand), and any follower it gave a prefix to that never got to
+        sample from it (nothing left to decode, it would wait forever)."""
         message = str(error) if isinstance(error, DecodeError) else f"the engine step failed: {type(error).__name__}: {error}"
         self._failed_steps += 1
         self.stats.failed_steps += 1
         if self._failed_steps >= MAX_FAILED_STEPS:
             self.broken = f"{MAX_FAILED_STEPS} engine steps failed in a row, the last with: {message}"
-        return [self._fail(seq, message) for seq in carried if seq.status is not Status.FINISHED]
+        stranded = [seq for seq in self.scheduler.running if seq.n_pending == 0]
+        return [self._fail(seq, message) for seq in dict.fromkeys(carried + stranded) if seq.status is not Status.FINISHED]
 
     def run(self) -> Iterator[Event]:
         """Step until every queued sequence has finished, yielding each step's events."""

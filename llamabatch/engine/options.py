@@ -83,13 +83,17 @@ class EngineOptions:
         return n_parallel, slots * self.ctx_per_seq
 
     def _plan(self, n_sequences: int | None) -> tuple[int, int]:
-        try:
-            memory = None if self.memory is None else parse_size(self.memory)
-        except ValueError as e:
-            raise ConfigError(f"--memory: {e}") from None
         kv_unified = EngineConfig.kv_unified if self.kv_unified is None else self.kv_unified
         planned, _ = plan_for(
-            self.model, catalog=self.config, ctx_per_seq=self.ctx_per_seq, memory=memory, kv_unified=kv_unified,
+            self.model, catalog=self.config, ctx_per_seq=self.ctx_per_seq, memory=memory_budget(self.memory), kv_unified=kv_unified,
             n_ubatch=self.ubatch_size, max_parallel=n_sequences, verbose=self.verbose,
         )
         return planned.n_parallel, planned.n_ctx
+
+
+def memory_budget(text: str | None) -> int | None:
+    """--memory in bytes (None: not given)."""
+    try:
+        return None if text is None else parse_size(text)
+    except ValueError as e:
+        raise ConfigError(f"--memory: {e}") from None
