@@ -217,6 +217,9 @@ def batch(
     errors: Annotated[Optional[Path], typer.Option("--errors", help="Failed requests (default: OUTPUT.errors.jsonl).")] = None,
     retry_errors: Annotated[bool, typer.Option("--retry-errors", help="Run the requests in the error file again.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start afresh instead of resuming.")] = False,
+    incomplete_errors: Annotated[bool, typer.Option(
+        "--incomplete-errors", help="Answers whose structured output was cut by --max-tokens go to the error file, not the output.",
+    )] = False,
     model: ModelOpt = None,
     config: CatalogOpt = None,
     max_tokens: MaxTokensOpt = None,
@@ -273,11 +276,13 @@ def batch(
         raise LlamabatchError("--parallel auto plans for this machine's memory, not the Ray actors': give --parallel N")
     engine_options = EngineOptions.of(context.params).engine_kwargs()
     if ray is not None:
-        summary, job = _batch_on_ray(ray, _replicas(replicas), engine_options, input, output, errors, base, retry_errors, overwrite)
+        summary, job = _batch_on_ray(ray, _replicas(replicas), engine_options, input, output, errors, base, retry_errors,
+                                     overwrite, incomplete_errors)
         described = {"model": job.settings["model"], "replicas": replicas or "1", "ray": ray}
     else:
         with BatchEngine(**engine_options) as engine:
-            job = BatchJob(engine, input, output, errors=errors, base=base, retry_errors=retry_errors, overwrite=overwrite)
+            job = BatchJob(engine, input, output, errors=errors, base=base, retry_errors=retry_errors, overwrite=overwrite,
+                           incomplete_errors=incomplete_errors)
             with stop_on_signals(job), display.BatchProgress(job.summary) as progress:
                 job.on_progress = progress.update
                 summary = job.run()
@@ -320,7 +325,7 @@ def _replicas(text: str | None) -> int | str:
 
 def _batch_on_ray(
     address: str, replicas: int | str, engine_options: dict, input: str, output: Path, errors: Path | None,
-    base: SamplingParams | None, retry_errors: bool, overwrite: bool,
+    base: SamplingParams | None, retry_errors: bool, overwrite: bool, incomplete_errors: bool,
 ):
     try:
         from .jobs import ray_stage
@@ -330,7 +335,7 @@ def _batch_on_ray(
 
     threads = engine_options.pop("n_threads")
     job = ray_stage.RayBatchJob(engine_options, input, output, address=address, replicas=replicas, threads=threads, errors=errors,
-                                base=base, retry_errors=retry_errors, overwrite=overwrite)
+                                base=base, retry_errors=retry_errors, overwrite=overwrite, incomplete_errors=incomplete_errors)
     with stop_on_signals(job), display.BatchProgress(job.summary) as progress:
         job.on_progress = progress.update
         return job.run(), job

@@ -117,6 +117,7 @@ def batch_summary(summary, output, errors) -> None:
         ("requests done", f"{s.done:,}" + (f" of {s.total:,} in the input" if s.total is not None else "")),
         ("already done (skipped)", f"{s.skipped:,}"),
         ("failed", f"{s.failed:,}"),
+        ("structured outputs cut short", f"{s.incomplete:,}"),
         ("prompt tokens", f"{s.prompt_tokens:,}"),
         ("completion tokens", f"{s.completion_tokens:,}"),
         ("decode calls", f"{s.decode_calls:,}"),

@@ -10,11 +10,14 @@ engines     the per-token cost of constraining one sequence along a real output 
 throughput  generated tokens/s with a JSON schema on every sequence against none, same prompts
             (--per-slot of them per slot), --max-tokens 64, EOS honoured, at each --parallel,
             rotating runs; and against free text cut to the schema outputs' lengths
-validity    every output parsed and validated (jsonschema) over the schemas below x prompts
+validity    every output parsed and validated (jsonschema), 14 schemas x --prompts prompts at each
+            --temperature, all in one batch; every invalid output printed with its reason; with
+            --llama-server, the same schemas and prompts sent to llama-server's /completion with
+            json_schema (built by scripts/build_native.sh), side by side: validity and tokens/s
 
     python scripts/bench_constraints.py engines
     python scripts/bench_constraints.py throughput --parallel 16,32 --pairs 3
-    python scripts/bench_constraints.py validity --prompts 16
+    python scripts/bench_constraints.py validity --prompts 32 --temperatures 0.7,1.0 --llama-server
 """
 
 from __future__ import annotations
@@ -22,9 +25,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
+import socket
 import statistics
+import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import llama_cpp
 import llguidance
@@ -33,6 +41,7 @@ import numpy as np
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from llamabatch import BatchEngine, SamplingParams
+from llamabatch.measure.sweep import native_tool
 
 ADDRESS = {"type": "object", "properties": {
     "street": {"type": "string", "maxLength": 40}, "city": {"type": "string", "maxLength": 30},
@@ -72,6 +81,20 @@ SCHEMAS = {  # increasing difficulty
     "array of objects": {"type": "object", "properties": {"steps": {"type": "array", "minItems": 2, "maxItems": 4, "items": {
         "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}, "text": {"type": "string", "maxLength": 30}},
         "required": ["n", "text"], "additionalProperties": False}}}, "required": ["steps"], "additionalProperties": False},
+    "person with email": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                          "email": {"type": "string", "pattern": "^[a-z]{1,12}@[a-z]{1,12}[.](com|org|net)$"}},
+                          "required": ["name", "email"], "additionalProperties": False},
+    "label with confidence": {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]},
+                              "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
+                              "required": ["label", "confidence"], "additionalProperties": False},
+    "order of enum items": {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 5,
+                            "items": {"enum": ["apple", "bread", "milk", "eggs", "rice"]}}, "total": {"type": "number"}},
+                            "required": ["items", "total"], "additionalProperties": False},
+    "anyOf contact": {"type": "object", "properties": {"contact": {"anyOf": [
+        {"type": "object", "properties": {"phone": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"}}, "required": ["phone"],
+         "additionalProperties": False},
+        {"type": "object", "properties": {"email": {"type": "string", "format": "email"}}, "required": ["email"],
+         "additionalProperties": False}]}}, "required": ["contact"], "additionalProperties": False},
     "enums and consts": {"type": "object", "properties": {"kind": {"const": "review"}, "stars": {"enum": [1, 2, 3, 4, 5]},
                          "language": {"enum": ["en", "fr", "de"]}, "verified": {"type": "boolean"}},
                          "required": ["kind", "stars", "language", "verified"], "additionalProperties": False},
@@ -88,7 +111,9 @@ SCHEMAS = {  # increasing difficulty
 }
 TOPICS = ["a bakery order", "a weather report", "a book", "a hotel review", "a museum visit", "a train ticket",
           "a birthday party", "a recipe", "a rescue dog", "a garden", "a concert", "a job offer", "a chess club",
-          "a bicycle repair", "a school trip", "a coffee shop"]
+          "a bicycle repair", "a school trip", "a coffee shop", "a lost umbrella", "a football match", "a dentist visit",
+          "a new laptop", "a farmers market", "a city tour", "a piano lesson", "a camping trip", "a library card",
+          "a wedding", "a car rental", "a science fair", "a pizza delivery", "a yoga class", "a flight delay", "an art gallery"]
 
 
 def prompt(topic: str, name: str) -> str:
@@ -229,21 +254,97 @@ def throughput(args: argparse.Namespace) -> None:
 
 
 def validity(args: argparse.Namespace) -> None:
-    with BatchEngine(n_parallel=args.parallel, n_ctx=args.parallel * 1024) as engine:
-        total = valid = 0
-        for name, schema in SCHEMAS.items():
-            prompts = [prompt(topic, name) for topic in TOPICS[: args.prompts]]
-            results = engine.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=768, seed=1, json_schema=schema))
-            ok = 0
-            for r in results:
-                try:
-                    jsonschema.validate(json.loads(r.text), schema)
-                    ok += 1
-                except (json.JSONDecodeError, jsonschema.ValidationError):
-                    print(f"  invalid ({r.finish_reason}): {r.text[:200]!r}")
-            total, valid = total + len(results), valid + ok
-            print(f"{name:>24}: {ok}/{len(results)} valid, {sum(r.completion_tokens for r in results) / len(results):.0f} tokens on average")
-        print(f"{valid}/{total} outputs parse and validate")
+    """Every schema x prompt at each temperature through one engine (all in one batch), and
+    optionally through llama-server; valid / total per schema, side by side, and every invalid
+    output with its reason."""
+    schemas = dict(list(SCHEMAS.items())[: args.schemas])
+    requests = [(name, schema, prompt(topic, name)) for name, schema in schemas.items() for topic in TOPICS[: args.prompts]]
+    sides = {"llamabatch": lambda t: run_llamabatch(requests, t, args)}
+    if args.llama_server:
+        sides["llama-server"] = lambda t: run_llama_server(requests, t, args)
+    for temperature in map(float, args.temperatures.split(",")):
+        table = {}
+        for side, run in sides.items():
+            texts, finishes, seconds, tokens = run(temperature)
+            verdicts = [check(text, schema) for (_, schema, _), text in zip(requests, texts)]
+            table[side] = (verdicts, tokens / seconds)
+            for (name, _, _), text, finish, verdict in zip(requests, texts, finishes, verdicts):
+                if verdict is not None:
+                    print(f"  [{side}, T={temperature:g}] {name}: {verdict} (finish {finish}): {text[:160]!r}")
+        print(f"\ntemperature {temperature:g}: valid / total per schema ({args.prompts} prompts each, max_tokens {args.max_tokens})")
+        print(f"{'schema':>24} " + " ".join(f"{side:>14}" for side in table))
+        for name in schemas:
+            cells = []
+            for verdicts, _ in table.values():
+                mine = [v for (n, _, _), v in zip(requests, verdicts) if n == name]
+                cells.append(f"{sum(v is None for v in mine)}/{len(mine)}")
+            print(f"{name:>24} " + " ".join(f"{c:>14}" for c in cells))
+        print(f"{'all':>24} " + " ".join(f"{sum(v is None for v in vs)}/{len(vs)}".rjust(14) for vs, _ in table.values()))
+        print(f"{'generated tokens/s':>24} " + " ".join(f"{speed:14.1f}" for _, speed in table.values()))
+
+
+def check(text: str, schema: dict) -> str | None:
+    """Why an output is not a valid instance of the schema (None: it is)."""
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except json.JSONDecodeError as e:
+        return f"not JSON ({e.msg})"
+    except jsonschema.ValidationError as e:
+        return f"invalid ({e.message[:80]})"
+    return None
+
+
+def run_llamabatch(requests: list, temperature: float, args: argparse.Namespace) -> tuple[list[str], list[str], float, int]:
+    params = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=i, json_schema=schema)
+              for i, (_, schema, _) in enumerate(requests)]
+    with BatchEngine(n_parallel=args.parallel, n_ctx=args.parallel * 1024, n_threads=args.threads) as engine:
+        engine.generate([p for _, _, p in requests[:2]], params[:2])  # llguidance's tokenizer, built once
+        engine.reset_stats()
+        started = time.perf_counter()
+        results = engine.generate([p for _, _, p in requests], params)
+        seconds = time.perf_counter() - started
+        print(f"llamabatch T={temperature:g}: {engine.stats.incomplete_structured} outputs cut by max_tokens "
+              f"(finish_reason length, counted in the summary)")
+    return [r.text for r in results], [r.finish_reason for r in results], seconds, sum(r.completion_tokens for r in results)
+
+
+def run_llama_server(requests: list, temperature: float, args: argparse.Namespace) -> tuple[list[str], list[str], float, int]:
+    """llama-server (the same llama.cpp) with as many slots and threads, its /completion with
+    json_schema (converted to GBNF by llama.cpp), as many requests in flight as slots."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with BatchEngine(n_parallel=1, n_ctx=256) as engine:
+        model = engine.model.path
+    server = subprocess.Popen(
+        [str(native_tool("llama-server")), "-m", str(model), "--port", str(port), "-np", str(args.parallel),
+         "-c", str(args.parallel * 1024), "-t", str(args.threads), "-fa", "auto", "-kvu", "--no-webui"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        while True:
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+
+        def ask(i: int) -> dict:
+            _, schema, text = requests[i]
+            body = {"prompt": text, "json_schema": schema, "temperature": temperature, "n_predict": args.max_tokens, "seed": i}
+            return httpx.post(base + "/completion", json=body, timeout=3600).json()
+
+        started = time.perf_counter()
+        with ThreadPoolExecutor(args.parallel) as pool:
+            answers = list(pool.map(ask, range(len(requests))))
+        seconds = time.perf_counter() - started
+    finally:
+        server.terminate()
+        server.wait()
+    finishes = ["length" if a.get("stop_type") == "limit" else "stop" for a in answers]
+    return [a.get("content", "") for a in answers], finishes, seconds, sum(a.get("tokens_predicted", 0) for a in answers)
 
 
 def main() -> None:
@@ -255,9 +356,13 @@ def main() -> None:
     t.add_argument("--pairs", type=int, default=3)
     t.add_argument("--per-slot", type=int, default=8, help="prompts per slot: the tail of the last wave weighs less with more")
     v = sub.add_parser("validity")
-    v.add_argument("--prompts", type=int, default=16)
+    v.add_argument("--prompts", type=int, default=32)
+    v.add_argument("--schemas", type=int, default=len(SCHEMAS))
     v.add_argument("--parallel", type=int, default=16)
-    v.add_argument("--temperature", type=float, default=0.7)
+    v.add_argument("--threads", type=int, default=os.cpu_count())
+    v.add_argument("--temperatures", default="0.7,1.0")
+    v.add_argument("--max-tokens", type=int, default=512)
+    v.add_argument("--llama-server", action="store_true", help="also run llama-server (scripts/build_native.sh)")
     args = parser.parse_args()
     {"engines": engines, "throughput": throughput, "validity": validity}[args.what](args)
 

@@ -158,7 +158,7 @@ def test_no_prompts_and_bad_jsonl_are_errors(tiny_model, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{"prompt": "b", "temprature": 1}\n')
     result = invoke("run", "-m", tiny_model, "--prompts-file", bad)
-    assert result.exit_code == 1 and "bad.jsonl:2: unknown fields ['temprature']" in result.stderr
+    assert result.exit_code == 1 and "bad.jsonl:2: unknown field 'temprature'" in result.stderr
     bad.write_text('{"prompt": "a", "top_p": 7}\n')
     assert "bad.jsonl:1: invalid sampling parameter: top_p" in invoke("run", "-m", tiny_model, "--prompts-file", bad).stderr
 

@@ -570,6 +570,8 @@ class BatchEngine:
         (when prefixes are shared; else it is freed, so a deterministic filler finds room there)."""
         text += seq.text.finish()
         seq.finish_reason, seq.error = reason, error
+        if seq.incomplete:
+            self.stats.incomplete_structured += 1
         seq.t_finished = time.perf_counter()
         if seq.status is Status.RUNNING and not self.config.share_prefixes:
             self.ctx.remove_sequence(seq.seq_id)

@@ -22,10 +22,14 @@ import llguidance.numpy
 import numpy as np
 
 from ..errors import ConstraintError
+from .json_numbers import DigitBounds, DigitProfile, NumberLexer
 from .native import Vocab
 from .sampling import SamplingParams
 
 COMPILED_CACHE = 256  # distinct constraints kept compiled (a batch job sends one schema a million times)
+# JSON without free whitespace ({"a":1}), as OpenAI's structured outputs write it: no run of
+# newlines for a small model to loop on. An override, so a schema's own "x-guidance" cannot undo it.
+JSON_LAYOUT = {"whitespace_flexible": False}
 ALL_ONES = np.uint32(0xFFFFFFFF)
 NEG_INF_BITS = np.float32(-np.inf).view(np.uint32)
 
@@ -42,9 +46,13 @@ class Constraint:
                 return cls(kind, getattr(params, kind))
         return cls("choice", json.dumps(list(params.choice))) if params.choice is not None else None
 
+    def digit_bounds(self) -> DigitBounds | None:
+        """How many digits a JSON output's numbers may have (None: not JSON)."""
+        return DigitBounds.of_schema(self.source) if self.kind == "json_schema" else None
+
     def llguidance_grammar(self) -> str:
-        if self.kind == "json_schema":  # fixed separators, no free whitespace: bounded, parseable output
-            return llguidance.LLMatcher.grammar_from_json_schema(self.source, defaults={"whitespace_flexible": False})
+        if self.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(self.source, overrides=JSON_LAYOUT)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         if self.kind == "choice":  # JSON string literals are Lark string literals too
@@ -55,48 +63,89 @@ class Constraint:
             raise ConstraintError(f"invalid grammar: {e}") from None
 
 
+class Matcher:
+    """One sequence's constraint: a copy of the compiled llguidance matcher, and for JSON the
+    lexer that keeps its numbers within their digit bounds (json_numbers)."""
+
+    def __init__(self, llg: llguidance.LLMatcher, bounds: DigitBounds | None, vocab: Vocab) -> None:
+        self.llg, self.bounds, self._vocab = llg, bounds, vocab
+        self.lexer = NumberLexer() if bounds is not None else None
+
+    def consume_token(self, token: int) -> bool:
+        """Advance past an accepted token; False (an error state) if the constraint refuses it."""
+        if not self.llg.consume_token(token):
+            return False
+        if self.lexer is not None:
+            self.lexer.feed(self._vocab.piece(token))
+        return True
+
+    def is_stopped(self) -> bool:
+        return self.llg.is_stopped()
+
+    def is_accepting(self) -> bool:
+        return self.llg.is_accepting()
+
+    def get_error(self) -> str:
+        return self.llg.get_error()
+
+
 class Grammars:
     """Compiles constraints against one vocabulary and hands out matchers for sequences."""
 
     def __init__(self, vocab: Vocab) -> None:
         self.vocab = vocab
         self._tokenizer: llguidance.LLTokenizer | None = None  # ~2 s for a 262k vocabulary: built when first needed
-        self._compiled: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+        self._digits: DigitProfile | None = None  # built with the first JSON constraint
+        self._compiled: OrderedDict[Constraint, tuple[llguidance.LLMatcher, DigitBounds | None]] = OrderedDict()
         self._executor = llguidance.LLExecutor()
         self._mask: np.ndarray | None = None
         self.compiles = 0  # constraints compiled (the rest were copies of a compiled one)
 
-    def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
+    def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh matcher for one sequence. Raises ConstraintError naming what cannot be compiled:
         an invalid grammar or regex, or a schema feature llguidance does not implement (never a
         silently unconstrained answer)."""
         compiled = self._compiled.get(constraint)
         if compiled is None:
-            compiled = llguidance.LLMatcher(self._llg_tokenizer(), constraint.llguidance_grammar(), log_level=0)
-            if compiled.is_error():
-                raise ConstraintError(f"invalid {constraint.kind.replace('_', ' ')}: {compiled.get_error().strip()}")
-            self._compiled[constraint] = compiled
+            bounds = constraint.digit_bounds()
+            llg = llguidance.LLMatcher(self._llg_tokenizer(), constraint.llguidance_grammar(), log_level=0)
+            if llg.is_error():
+                raise ConstraintError(f"invalid {constraint.kind.replace('_', ' ')}: {llg.get_error().strip()}")
+            compiled = self._compiled[constraint] = (llg, bounds)
             self.compiles += 1
             while len(self._compiled) > COMPILED_CACHE:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(constraint)
-        return compiled.deep_copy()
+        llg, bounds = compiled
+        return Matcher(llg.deep_copy(), bounds, self.vocab)
 
-    def mask_rows(self, matchers: Seq[llguidance.LLMatcher], rows: Seq[np.ndarray]) -> None:
+    def mask_rows(self, matchers: Seq[Matcher], rows: Seq[np.ndarray]) -> None:
         """Set to -inf, in place, every logit the matching matcher forbids (masks computed together,
-        without the GIL)."""
+        without the GIL), and for a JSON number every token past its digit bounds."""
         n_words = (self._llg_tokenizer().vocab_size + 31) // 32
         if self._mask is None or self._mask.shape[0] < len(matchers):
             self._mask = np.empty((max(len(matchers), 8), n_words), dtype=np.int32)
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], self._mask)
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m.llg, i) for i, m in enumerate(matchers)], self._mask)
         n_vocab = self.vocab.n_vocab
-        for i, row in enumerate(rows):
+        for i, (matcher, row) in enumerate(zip(matchers, rows)):
             # Bitwise on the float bits, not np.putmask: that branches per element and costs 1 ms
             # on a 262k row whose mask mixes allowed and forbidden tokens; this costs 0.15 ms.
             keep = np.multiply(np.unpackbits(self._mask[i].view(np.uint8), bitorder="little")[:n_vocab], ALL_ONES, dtype=np.uint32)
             bits = row.view(np.uint32)
             np.bitwise_and(bits, keep, out=bits)  # allowed logits stay as they were
             np.bitwise_or(bits, NEG_INF_BITS & ~keep, out=bits)  # forbidden ones become -inf
+            if matcher.lexer is not None:
+                self._bound_digits(matcher, row)
+
+    def _bound_digits(self, matcher: Matcher, row: np.ndarray) -> None:
+        """Inside a JSON number, also forbid the tokens that would take it past its digit bounds
+        or into an exponent, unless nothing would be left (a schema whose value needs more
+        digits still gets a valid answer)."""
+        if self._digits is None:
+            self._digits = DigitProfile([self.vocab.piece(t) for t in range(self.vocab.n_vocab)])
+        banned = self._digits.banned(matcher.lexer, matcher.bounds)
+        if banned is not None and np.isfinite(row[~banned]).any():
+            row[banned] = -np.inf
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:

@@ -100,6 +100,7 @@ class RunStats:
     sequence_slots: int = 0  # sum over decode calls of the sequences in the batch
     preemptions: int = 0  # sequences sent back to the queue because the KV cache was full
     failed_steps: int = 0  # steps that failed, failing the sequences they carried
+    incomplete_structured: int = 0  # constrained outputs cut (max_tokens, context) before their constraint was complete
     prompt_tokens_reused: int = 0  # prompt tokens whose KV came from another sequence or a slot's cache
     draft_tokens: int = 0  # speculative tokens verified
     draft_accepted: int = 0  # of which the model agreed with
@@ -138,6 +139,7 @@ class RunStats:
             "mean_active_sequences": round(self.mean_active_sequences, 3),
             "preemptions": self.preemptions,
             "failed_steps": self.failed_steps,
+            "incomplete_structured": self.incomplete_structured,
             "draft_tokens": self.draft_tokens,
             "draft_acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_decode": round(self.completion_tokens / self.decode_calls, 3) if self.decode_calls else 0.0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,6 +14,9 @@ from .results import PromptScore, Result, Timings, TokenLogprob
 from .sampling import GreedySampler, SamplingParams
 from .speculation import DraftSampler, DraftState
 from .text import TextStream
+
+if TYPE_CHECKING:
+    from .constraints import Matcher
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -51,7 +55,7 @@ class Sequence:
     score_from: int = -1
     scored: PromptScore = field(default_factory=PromptScore)
     chunk_row: int = -1  # batch row of the current chunk's first token
-    matcher: object | None = None  # an llguidance matcher when the output is constrained
+    matcher: Matcher | None = None  # its constraint (structured output), if any
     drafting: DraftState | None = None  # speculative decoding: its acceptance rate (and n-gram index)
     draft_sampler: DraftSampler | None = None  # and, when it samples, how they are verified
     draft: list[int] = field(default_factory=list)  # tokens proposed after the last one, this step
@@ -84,6 +88,12 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """More than one token to catch up on: a prompt, or a preempted sequence's history."""
         return self.n_pending > 1
+
+    @property
+    def incomplete(self) -> bool:
+        """Constrained, and cut (max_tokens, a full context) before its constraint was complete:
+        its text is not the structured output it was asked for."""
+        return self.matcher is not None and self.finish_reason == "length"
 
     @property
     def shareable(self) -> int:

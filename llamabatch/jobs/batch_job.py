@@ -34,6 +34,7 @@ class JobSummary:
     done: int = 0  # answered and written to the output by this run
     skipped: int = 0  # already in the output (or the error file) from an earlier run
     failed: int = 0  # written to the error file by this run
+    incomplete: int = 0  # structured outputs cut before their constraint was complete (in either file)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     decode_calls: int = 0
@@ -78,12 +79,13 @@ class BatchJob:
         base: SamplingParams | None = None,
         retry_errors: bool = False,
         overwrite: bool = False,
+        incomplete_errors: bool = False,
         window: int | None = None,
         on_progress: Callable[[JobSummary], None] | None = None,
     ) -> None:
         self.engine = engine
         self._setup(input, output, errors, base, retry_errors, overwrite, on_progress)
-        self.runner = RequestRunner(engine, self.format, window)
+        self.runner = RequestRunner(engine, self.format, window, incomplete_errors)
         self.settings = job_settings(engine.model_name, engine.model.path, engine.config, self.format, self.base)
 
     def _setup(
@@ -151,6 +153,7 @@ class BatchJob:
 
     def _record(self, outcome: Outcome) -> None:
         s = self.summary
+        s.incomplete += outcome.incomplete
         if outcome.ok:
             self._out.write(outcome.record)
             s.done += 1

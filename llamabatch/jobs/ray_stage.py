@@ -85,13 +85,14 @@ class BatchPredictor:
     flight per actor, as above). Whichever call is waiting drives the engine, one at a time.
     """
 
-    def __init__(self, format: str, engine: dict, base: dict | None = None) -> None:
+    def __init__(self, format: str, engine: dict, base: dict | None = None, incomplete_errors: bool = False) -> None:
         self.engine = BatchEngine(**engine)
         self.parser = LineParser(Format(format), SamplingParams(**base) if base else SamplingParams())
         self._pending: deque[JobRequest | BadLine] = deque()  # parsed, not yet handed to the engine
         self._answered: dict[str, Outcome] = {}  # finished, not yet taken by their batch
         self._driving = threading.Lock()
-        self._outcomes = RequestRunner(self.engine, self.parser.format).run(self._feed())
+        runner = RequestRunner(self.engine, self.parser.format, incomplete_errors=incomplete_errors)
+        self._outcomes = runner.run(self._feed())
 
     def _feed(self) -> Iterator[JobRequest | BadLine | object]:
         while True:
@@ -119,7 +120,8 @@ class BatchPredictor:
 def _rows(outcomes: list[Outcome]) -> dict[str, list]:
     return {"id": [o.id for o in outcomes], "ok": [o.ok for o in outcomes],
             "record": [json.dumps(o.record, ensure_ascii=False) for o in outcomes],
-            "prompt_tokens": [o.prompt_tokens for o in outcomes], "completion_tokens": [o.completion_tokens for o in outcomes]}
+            "prompt_tokens": [o.prompt_tokens for o in outcomes], "completion_tokens": [o.completion_tokens for o in outcomes],
+            "incomplete": [o.incomplete for o in outcomes]}
 
 
 class RayBatchJob(BatchJob):
@@ -138,6 +140,7 @@ class RayBatchJob(BatchJob):
         base: SamplingParams | None = None,
         retry_errors: bool = False,
         overwrite: bool = False,
+        incomplete_errors: bool = False,
         on_progress: Callable[[JobSummary], None] | None = None,
     ) -> None:
         if str(input) == STDIN:
@@ -150,6 +153,7 @@ class RayBatchJob(BatchJob):
         self.settings = job_settings(spec.name, spec.gguf_path(), config, self.format, self.base)
         self.parallel = config.n_parallel
         self.engine_options = engine
+        self.incomplete_errors = incomplete_errors
         self.address = address
         self.replicas = replicas
         self.threads = threads
@@ -190,7 +194,8 @@ class RayBatchJob(BatchJob):
         answered = dataset.map_batches(
             BatchPredictor,
             fn_constructor_kwargs={"format": self.format.value, "engine": engine,
-                                   "base": None if self.format is Format.OPENAI else asdict(self.base)},
+                                   "base": None if self.format is Format.OPENAI else asdict(self.base),
+                                   "incomplete_errors": self.incomplete_errors},
             batch_size=ROWS_PER_SLOT * self.parallel,
             compute=ray.data.ActorPoolStrategy(size=replicas, max_tasks_in_flight_per_actor=BATCHES_IN_FLIGHT),
             max_concurrency=BATCHES_IN_FLIGHT,
@@ -198,7 +203,8 @@ class RayBatchJob(BatchJob):
             num_gpus=gpus,
         )
         for row in answered.iter_rows():
-            yield Outcome(row["id"], bool(row["ok"]), json.loads(row["record"]), int(row["prompt_tokens"]), int(row["completion_tokens"]))
+            yield Outcome(row["id"], bool(row["ok"]), json.loads(row["record"]), int(row["prompt_tokens"]),
+                          int(row["completion_tokens"]), int(row["incomplete"]))
 
 
 def actor_shape(replicas: int | str, threads: int | None) -> tuple[int, int, float]:

@@ -42,6 +42,12 @@ def error_record(fmt: Format, item: JobRequest | BadLine, message: str, status: 
     return {"id": _batch_id(), "custom_id": item.id, "response": response, "error": error, "request_digest": item.digest}
 
 
+def incomplete_record(record: dict, request: JobRequest, message: str) -> dict:
+    """A whole answer bound for the error file (`batch --incomplete-errors`): its structured output
+    was cut before it was complete, so it is kept, with an error saying why it is not a result."""
+    return {**record, "error": {"code": "incomplete_output", "message": message, "line": request.line}}
+
+
 def _batch_id() -> str:
     return f"batch_req_{secrets.token_hex(12)}"
 

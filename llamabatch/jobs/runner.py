@@ -12,7 +12,7 @@ from ..engine import BatchEngine, Sequence, Status
 from ..errors import LlamabatchError
 from ..openai_format import engine_inputs, failure, usage
 from .inputs import BadLine, Format, JobRequest
-from .records import error_record, result_record
+from .records import error_record, incomplete_record, result_record
 
 WINDOW_PER_SLOT = 2  # sequences queued or running per slot: enough that a freed slot never waits
 IDLE = object()  # what a never-ending source yields when it has nothing now: step on, ask again later
@@ -27,6 +27,7 @@ class Outcome:
     record: dict
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    incomplete: int = 0  # structured outputs cut before their constraint was complete
 
 
 @dataclass(eq=False)
@@ -41,9 +42,10 @@ class _Open:
 class RequestRunner:
     """Feeds requests to `engine` and yields an Outcome per request, in completion order."""
 
-    def __init__(self, engine: BatchEngine, fmt: Format, window: int | None = None) -> None:
+    def __init__(self, engine: BatchEngine, fmt: Format, window: int | None = None, incomplete_errors: bool = False) -> None:
         self.engine = engine
         self.format = fmt
+        self.incomplete_errors = incomplete_errors  # answers with a cut structured output go to the error file
         self.window = window or WINDOW_PER_SLOT * engine.config.n_parallel
         self.stop_signals: list[str] = []  # set by signal handlers, acted on between steps
         self._stopping = False
@@ -139,7 +141,12 @@ class RequestRunner:
     def _result(self, req: _Open) -> Outcome:
         counted = usage(req.sequences)
         record = result_record(self.format, req.request, req.sequences, self.engine, self._created)
-        return Outcome(req.request.id, True, record, counted["prompt_tokens"], counted["completion_tokens"])
+        cut = [s for s in req.sequences if s.incomplete]
+        ok = not (cut and self.incomplete_errors)
+        if not ok:  # the whole answer, marked, in the error file: nothing generated is lost
+            message = f"choice {cut[0].sample}: the structured output was cut by max_tokens (or the context) before it was complete"
+            record = incomplete_record(record, req.request, message)
+        return Outcome(req.request.id, ok, record, counted["prompt_tokens"], counted["completion_tokens"], len(cut))
 
     def _failure(self, item: JobRequest | BadLine, message: str, status: int | None) -> Outcome:
         return Outcome(item.id, False, error_record(self.format, item, message, status))

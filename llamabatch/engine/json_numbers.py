@@ -1,0 +1,123 @@
+"""Digit bounds for the numbers of JSON output. llguidance compiles a schema's numbers to
+unbounded digit runs (`[0-9]*` after the point, `[eE]` exponents), and a small model at a
+non-zero temperature can write `0.500000000000000686...` until max_tokens cuts the answer into
+something that does not parse. llama.cpp's own JSON-schema converter bounds numbers (at most 16
+integral and 16 fraction digits, no exponent); so does llamabatch, beside llguidance's mask:
+each constrained JSON sequence keeps a `NumberLexer` of its output (in a string? in a number's
+integral or fraction part, with how many digits?), and a token that would carry a number past
+its bounds, or start an exponent, is masked out too.
+
+The bounds are per constraint: a schema's top-level "x-integer-digits" / "x-fraction-digits"
+(as llguidance reads "x-guidance"). Every value within them is still accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from ..errors import ConstraintError
+
+_DIGITS = frozenset(b"0123456789")
+_EXPONENT = frozenset(b"eE")
+
+
+@dataclass(frozen=True)
+class DigitBounds:
+    integer: int = 16  # digits before a number's decimal point (llama.cpp's converter: up to 16)
+    fraction: int = 16  # digits after it (llama.cpp's converter: 1 to 16)
+
+    @classmethod
+    def of_schema(cls, schema_text: str) -> DigitBounds:
+        """The bounds a JSON schema asks for ("x-integer-digits", "x-fraction-digits"), else the defaults."""
+        schema = json.loads(schema_text)
+        given = {"integer": schema.get("x-integer-digits", cls.integer), "fraction": schema.get("x-fraction-digits", cls.fraction)}
+        for name, value in given.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConstraintError(f"x-{name}-digits must be an integer >= 1, got {value!r}")
+        return cls(**given)
+
+
+class Part(Enum):
+    OUTSIDE = 0  # between JSON tokens
+    STRING = 1
+    ESCAPE = 2  # just after a backslash in a string
+    INTEGER = 3  # a number's digits before the point
+    FRACTION = 4  # after it
+    EXPONENT = 5
+
+
+class NumberLexer:
+    """Where a JSON text stands, fed its bytes as tokens are accepted: just enough of a JSON
+    lexer to tell a number's digits from a string's."""
+
+    def __init__(self) -> None:
+        self.part = Part.OUTSIDE
+        self.digits = 0  # in the current number part
+
+    def feed(self, data: bytes) -> None:
+        for byte in data:
+            self._step(byte)
+
+    def _step(self, byte: int) -> None:
+        part = self.part
+        if part is Part.STRING:
+            self.part = Part.ESCAPE if byte == 0x5C else Part.OUTSIDE if byte == 0x22 else Part.STRING
+        elif part is Part.ESCAPE:
+            self.part = Part.STRING
+        elif part is Part.OUTSIDE:
+            if byte == 0x22:
+                self.part = Part.STRING
+            elif byte in _DIGITS or byte == 0x2D:  # a digit or '-': a number starts
+                self.part, self.digits = Part.INTEGER, int(byte in _DIGITS)
+        elif byte in _DIGITS:
+            self.digits += 1
+        elif part is Part.INTEGER and byte == 0x2E:
+            self.part, self.digits = Part.FRACTION, 0
+        elif part is not Part.EXPONENT and byte in _EXPONENT:
+            self.part, self.digits = Part.EXPONENT, 0
+        elif part is Part.EXPONENT and byte in (0x2B, 0x2D):  # its sign
+            pass
+        else:  # the number ended: this byte is the next token's
+            self.part, self.digits = Part.OUTSIDE, 0
+            self._step(byte)
+
+
+class DigitProfile:
+    """For every token of a vocabulary, what it would add to a number it continues: its
+    leading digits, the digits after a point that follows them, and whether an exponent follows."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        n = len(pieces)
+        self.lead = np.zeros(n, dtype=np.int32)
+        self.fraction = np.full(n, -1, dtype=np.int32)  # -1: no point after the leading digits
+        self.exponent = np.zeros(n, dtype=bool)
+        for token, piece in enumerate(pieces):
+            lead = _run_of_digits(piece, 0)
+            after = lead
+            if piece[lead : lead + 1] == b".":
+                self.fraction[token] = _run_of_digits(piece, lead + 1)
+                after = lead + 1 + self.fraction[token]
+            self.lead[token] = lead
+            self.exponent[token] = piece[after : after + 1] in (b"e", b"E")
+
+    def banned(self, lexer: NumberLexer, bounds: DigitBounds) -> np.ndarray | None:
+        """The tokens that would carry the number the lexer is in past `bounds` or into an
+        exponent (None outside a number, where nothing is banned)."""
+        if lexer.part is Part.INTEGER:
+            return (lexer.digits + self.lead > bounds.integer) | (self.fraction > bounds.fraction) | self.exponent
+        if lexer.part is Part.FRACTION:
+            return (lexer.digits + self.lead > bounds.fraction) | self.exponent
+        if lexer.part is Part.EXPONENT:  # reached within one token; keep it to what a double has
+            return lexer.digits + self.lead > 3
+        return None
+
+
+def _run_of_digits(piece: bytes, start: int) -> int:
+    end = start
+    while end < len(piece) and piece[end] in _DIGITS:
+        end += 1
+    return end - start
