@@ -607,7 +607,7 @@ def verify_determinism(
     model: ModelOpt = None,
     config: CatalogOpt = None,
     prompts: Annotated[Optional[Path], typer.Option(help="Prompts, one per line (default: 16 built-in, about 10 to 400 tokens).")] = None,
-    parallel: Annotated[str, typer.Option("--parallel", "-np", help="Batch sizes to compare with the solo runs, comma-separated.")] = "8,16",
+    batch_sizes: Annotated[str, typer.Option(help="Batch sizes to compare with the solo runs, comma-separated (as sweep's).")] = "8,16",
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy; above, seeded sampling.")] = 0.0,
     seed: int = 1,
@@ -623,7 +623,7 @@ def verify_determinism(
         raise LlamabatchError(f"prompts file not found: {prompts}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
     checks = verify(
-        read_prompts(prompts), list(_int_list(parallel, "--parallel")), params, deterministic=deterministic,
+        read_prompts(prompts), list(_int_list(batch_sizes, "--batch-sizes")), params, deterministic=deterministic,
         model=model, catalog=config, n_threads=threads, verbose=verbose,
     )
     if json_out:

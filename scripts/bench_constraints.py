@@ -303,8 +303,8 @@ def run_llamabatch(requests: list, temperature: float, args: argparse.Namespace)
         started = time.perf_counter()
         results = engine.generate([p for _, _, p in requests], params)
         seconds = time.perf_counter() - started
-        print(f"llamabatch T={temperature:g}: {engine.stats.incomplete_structured} outputs cut by max_tokens "
-              f"(finish_reason length, counted in the summary)")
+    cut = sum(r.finish_reason == "length" for r in results)
+    print(f"llamabatch T={temperature:g}: {cut} outputs cut by max_tokens (finish_reason length; run and batch count them)")
     return [r.text for r in results], [r.finish_reason for r in results], seconds, sum(r.completion_tokens for r in results)
 
 

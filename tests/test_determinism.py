@@ -128,7 +128,7 @@ def test_default_model_prompts_past_512_kv_cells_in_a_fresh_process(tmp_path):
     prompts.write_text("\n".join(["Hello there", "def fib(n):", long, "Once upon a time " * 30]))
     env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}  # the mode must set it itself
     done = subprocess.run(
-        [sys.executable, "-m", "llamabatch.cli", "verify-determinism", "--prompts", str(prompts), "--parallel", "2,4",
+        [sys.executable, "-m", "llamabatch.cli", "verify-determinism", "--prompts", str(prompts), "--batch-sizes", "2,4",
          "--max-tokens", "64", "--json"], capture_output=True, text=True, env=env, timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr

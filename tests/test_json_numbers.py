@@ -27,7 +27,7 @@ def accepts(engine, schema: dict, text: str) -> bool:
         engine.grammars.mask_rows([matcher], [row])
         if not np.isfinite(row[token]) or not matcher.consume_token(token):
             return False
-    return matcher.is_accepting()
+    return matcher.llg.is_accepting()
 
 
 def tokens_of(engine, text: str) -> list[int]:

@@ -82,9 +82,6 @@ class Matcher:
     def is_stopped(self) -> bool:
         return self.llg.is_stopped()
 
-    def is_accepting(self) -> bool:
-        return self.llg.is_accepting()
-
     def get_error(self) -> str:
         return self.llg.get_error()
 
