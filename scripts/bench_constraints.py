@@ -270,7 +270,8 @@ def validity(args: argparse.Namespace) -> None:
             table[side] = (verdicts, tokens / seconds)
             for (name, _, _), text, finish, verdict in zip(requests, texts, finishes, verdicts):
                 if verdict is not None:
-                    print(f"  [{side}, T={temperature:g}] {name}: {verdict} (finish {finish}): {text[:160]!r}")
+                    shown = text if len(text) <= 200 else f"{text[:100]} ... {text[-80:]}"
+                    print(f"  [{side}, T={temperature:g}] {name}: {verdict} (finish {finish}, {len(text)} chars): {shown!r}")
         print(f"\ntemperature {temperature:g}: valid / total per schema ({args.prompts} prompts each, max_tokens {args.max_tokens})")
         print(f"{'schema':>24} " + " ".join(f"{side:>14}" for side in table))
         for name in schemas:

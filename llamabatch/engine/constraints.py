@@ -22,7 +22,7 @@ import llguidance.numpy
 import numpy as np
 
 from ..errors import ConstraintError
-from .json_numbers import DigitBounds, DigitProfile, NumberLexer
+from .json_bounds import DigitBounds, DigitProfile, NumberLexer, bounded_formats
 from .native import Vocab
 from .sampling import SamplingParams
 
@@ -52,7 +52,8 @@ class Constraint:
 
     def llguidance_grammar(self) -> str:
         if self.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(self.source, overrides=JSON_LAYOUT)
+            schema = bounded_formats(json.loads(self.source))
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         if self.kind == "choice":  # JSON string literals are Lark string literals too
@@ -65,7 +66,7 @@ class Constraint:
 
 class Matcher:
     """One sequence's constraint: a copy of the compiled llguidance matcher, and for JSON the
-    lexer that keeps its numbers within their digit bounds (json_numbers)."""
+    lexer that keeps its numbers within their digit bounds (json_bounds)."""
 
     def __init__(self, llg: llguidance.LLMatcher, bounds: DigitBounds | None, vocab: Vocab) -> None:
         self.llg, self.bounds, self._vocab = llg, bounds, vocab

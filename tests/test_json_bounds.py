@@ -1,5 +1,5 @@
-"""Bounded JSON numbers: every value a schema allows within the digit bounds is accepted by the
-compiled constraint (values drawn from the schema, serialised, fed through the engine's own mask
+"""No unbounded runs in JSON: every value a schema allows within the digit (and format length)
+bounds is accepted by the compiled constraint (values drawn from the schema, serialised, fed through the engine's own mask
 path), the bounded forms are refused past their bounds, and a constrained output that a model
 would run on forever ends within them. An answer cut by max_tokens is counted, never passed off."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from llamabatch import ConstraintError, SamplingParams
 from llamabatch.engine.constraints import Constraint
-from llamabatch.engine.json_numbers import DigitBounds, DigitProfile, NumberLexer, Part
+from llamabatch.engine.json_bounds import DigitBounds, DigitProfile, NumberLexer, Part
 from llamabatch.jobs import BatchJob
 
 
@@ -117,6 +117,20 @@ def test_the_bounded_forms_are_refused_past_their_bounds(make_engine):
     assert accepts(engine, {"type": "string"}, json.dumps("7" * 40))  # digits in a string are text, not a number
     # a bound never leaves a schema without an answer: past 16 zeros, a value above 0 still ends
     assert accepts(engine, {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "0." + "0" * 16 + "5")
+
+
+def test_an_email_is_bounded_by_its_standards_length(make_engine):
+    """llguidance's email format leaves the local part unbounded: the default model looped inside
+    one until max_tokens. RFC 5321 bounds an address at 254 characters."""
+    engine = make_engine(n_parallel=1)
+    email = {"type": "object", "properties": {"email": {"type": "string", "format": "email"},
+                                              "format": {"type": "string", "maxLength": 3}}}  # a property named "format"
+    longest = "a" * 64 + "@" + ".".join(["b" * 61] * 3) + ".com"  # 254 characters, the standard's maximum
+    assert len(longest) == 254
+    assert accepts(engine, email, json.dumps({"email": longest, "format": "abc"}, separators=(",", ":")))
+    assert not accepts(engine, email, json.dumps({"email": "a" + longest}, separators=(",", ":")))
+    own = {"type": "string", "format": "email", "maxLength": 1000}  # a schema's own bound is kept
+    assert accepts(engine, own, json.dumps("a" * 600 + "@b.com"))
 
 
 def test_bad_digit_bounds_are_refused(make_engine):

@@ -1,14 +1,15 @@
-"""Digit bounds for the numbers of JSON output. llguidance compiles a schema's numbers to
-unbounded digit runs (`[0-9]*` after the point, `[eE]` exponents), and a small model at a
-non-zero temperature can write `0.500000000000000686...` until max_tokens cuts the answer into
-something that does not parse. llama.cpp's own JSON-schema converter bounds numbers (at most 16
-integral and 16 fraction digits, no exponent); so does llamabatch, beside llguidance's mask:
-each constrained JSON sequence keeps a `NumberLexer` of its output (in a string? in a number's
-integral or fraction part, with how many digits?), and a token that would carry a number past
-its bounds, or start an exponent, is masked out too.
+"""No unbounded runs in JSON output. llguidance compiles a schema's numbers to unbounded digit
+runs (`[0-9]*` after the point, `[eE]` exponents) and its `email` format to an unbounded local
+part; a small model at a non-zero temperature can write `0.500000000000000686...` or a looping
+address until max_tokens cuts the answer into something that does not parse.
 
-The bounds are per constraint: a schema's top-level "x-integer-digits" / "x-fraction-digits"
-(as llguidance reads "x-guidance"). Every value within them is still accepted.
+Numbers are bounded as llama.cpp's own JSON-schema converter bounds them (at most 16 integral and
+16 fraction digits, no exponent), beside llguidance's mask: each constrained JSON sequence keeps
+a `NumberLexer` of its output (in a string? in a number's integral or fraction part, with how
+many digits?), and a token that would carry a number past its bounds, or start an exponent, is
+masked out too. The bounds are per constraint: a schema's top-level "x-integer-digits" /
+"x-fraction-digits" (as llguidance reads "x-guidance"). Strings of a format whose standard
+bounds its length get that bound as a maxLength. Every value within the bounds is accepted.
 """
 
 from __future__ import annotations
@@ -23,6 +24,25 @@ from ..errors import ConstraintError
 
 _DIGITS = frozenset(b"0123456789")
 _EXPONENT = frozenset(b"eE")
+
+
+# Formats whose standard bounds their length: RFC 5321 (an address in a 256-octet path, its angle
+# brackets aside) and RFC 1035 (a name of 253 characters in text form).
+FORMAT_MAX_LENGTH = {"email": 254, "hostname": 253}
+
+
+def bounded_formats(node):
+    """A schema (or any part of one) with a maxLength on every string whose format's standard
+    bounds it, where the schema gives none."""
+    if isinstance(node, list):
+        return [bounded_formats(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: bounded_formats(v) for k, v in node.items()}
+    limit = FORMAT_MAX_LENGTH.get(node["format"]) if isinstance(node.get("format"), str) else None
+    if limit is not None and "maxLength" not in node:
+        node["maxLength"] = limit
+    return node
 
 
 @dataclass(frozen=True)
