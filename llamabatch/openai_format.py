@@ -342,9 +342,6 @@ class Failure:
     status: int  # 400: it asks what cannot run; 500: the engine failed it; 499: it was cancelled
     message: str
 
-    def body(self) -> dict:
-        return error_body(self.status, self.message)
-
 
 def failure(sequences: Seq[Sequence]) -> Failure | None:
     """The one verdict on a request's sequences: the first failure among those that have

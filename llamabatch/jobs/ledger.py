@@ -40,7 +40,7 @@ class IdSet:
     @classmethod
     def of(cls, pairs: Iterable[tuple[str, str]]) -> IdSet:
         """From (id, request digest) pairs."""
-        ids, requests = _digest_arrays(pairs)
+        ids, requests = _columns(((digest(id_), request.encode()) for id_, request in pairs), 2)
         return cls(ids, requests)
 
     @property
@@ -71,7 +71,8 @@ def find_duplicate(pairs: Callable[[], Iterable[tuple[str, int]]]) -> tuple[np.n
     """The sorted digests of the ids that `pairs()` yields (with their lines), and an id given
     twice, as (id, first line, second line). One pass keeps only digests; a second runs only if
     one repeats."""
-    ordered = np.sort(_digest_arrays((id_, "") for id_, _ in pairs())[0])
+    [ordered] = _columns(((digest(id_),) for id_, _ in pairs()), 1)
+    ordered = np.sort(ordered)
     repeats = np.flatnonzero(ordered[1:] == ordered[:-1])
     if not repeats.size:
         return ordered, None
@@ -82,20 +83,14 @@ def find_duplicate(pairs: Callable[[], Iterable[tuple[str, int]]]) -> tuple[np.n
     return ordered, (id_, first, second)
 
 
-def _digest_arrays(pairs: Iterable[tuple[str, str]], chunk: int = 65536) -> tuple[np.ndarray, np.ndarray]:
-    """Digests of ids, and their request digests, in chunks: no list of millions of bytes
+def _columns(rows: Iterable[tuple[bytes, ...]], width: int, chunk: int = 65536) -> list[np.ndarray]:
+    """The rows' 16-byte values as `width` columns, built in chunks: no list of millions of bytes
     objects is ever held."""
-    ids, requests, id_buf, request_buf = [], [], [], []
-    for id_, request in pairs:
-        id_buf.append(digest(id_))
-        request_buf.append(request.encode())
-        if len(id_buf) == chunk:
-            ids.append(np.array(id_buf, dtype="S16"))
-            requests.append(np.array(request_buf, dtype="S16"))
-            id_buf, request_buf = [], []
-    ids.append(np.array(id_buf, dtype="S16"))
-    requests.append(np.array(request_buf, dtype="S16"))
-    return np.concatenate(ids), np.concatenate(requests)
+    rows, parts = iter(rows), [[] for _ in range(width)]  # one iterator, sliced chunk by chunk
+    for block in iter(lambda: list(itertools.islice(rows, chunk)), []):
+        for k in range(width):
+            parts[k].append(np.array([row[k] for row in block], dtype="S16"))
+    return [np.concatenate(p) if p else np.empty(0, dtype="S16") for p in parts]
 
 
 class JsonlLog:
