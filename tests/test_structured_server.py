@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Literal
 
 import httpx
@@ -120,3 +121,15 @@ def test_cli_flags_and_jsonl_fields(tiny_model, tmp_path):
     assert first in ("one", "two") and jsonschema.validate(json.loads(second), SCHEMA) is None
     refused = runner.invoke(app, [*common, "-p", "x", "--regex", "a(b"])
     assert refused.exit_code == 1 and "invalid regex" in refused.output
+
+
+def test_a_schema_llguidance_gives_up_on_is_a_400_not_an_answer(base):
+    """Found by schemathesis: this schema compiles, then llguidance stops at the first token
+    (ParserTooComplex) and allows nothing. It was a 200 with finish_reason "stop" (an empty
+    answer); it is the request's constraint that cannot be followed."""
+    body = json.loads((Path(__file__).parent / "data" / "parser_too_complex.json").read_text())
+    answer = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert message.startswith("the constraint cannot be followed:") and "ParserTooComplex" in message
+    assert "<state>" not in message and len(message) < 300  # llguidance's reason, not its parser dump

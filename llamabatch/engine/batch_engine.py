@@ -551,7 +551,11 @@ class BatchEngine:
         when its constraint is complete)."""
         seq.tokens.append(token)
         if seq.matcher is not None and not seq.matcher.consume_token(token):
-            return self._finish(seq, token, "", "error", f"the constraint refused token {token}: {seq.matcher.get_error()}")
+            # The mask allowed nothing it would take: the constraint itself broke down (llguidance
+            # gave up on it, or it has a dead end), which is the request's to fix, as a schema
+            # that does not compile is.
+            seq.refused = True
+            return self._finish(seq, token, "", "error", f"the constraint cannot be followed: {seq.matcher.get_error()}")
         self.stats.completion_tokens += 1
         if seq.t_first_token is None:
             seq.t_first_token = time.perf_counter()

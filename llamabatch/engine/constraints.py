@@ -84,7 +84,9 @@ class Matcher:
         return self.llg.is_stopped()
 
     def get_error(self) -> str:
-        return self.llg.get_error()
+        """llguidance's error: its first line and its stop reason (the rest is parser state)."""
+        lines = self.llg.get_error().strip().splitlines()
+        return "; ".join(lines[:1] + [line for line in lines[1:] if line.startswith("Stop:")])
 
 
 class Grammars:
