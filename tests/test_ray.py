@@ -98,10 +98,11 @@ def test_resume_on_ray_skips_what_the_output_holds(tiny_model, tmp_path):
     assert max(ids(out).values()) == 1 and choices(out) == full
 
 
-def predictor_processes() -> list[psutil.Process]:
+def predictor_processes(besides: set[int] = frozenset()) -> list[psutil.Process]:
+    """The BatchPredictor actors' processes now alive, but those whose pids are in `besides`."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
-        if any("BatchPredictor" in part for part in p.info["cmdline"] or []):
+        if p.pid not in besides and any("BatchPredictor" in part for part in p.info["cmdline"] or []):
             found.append(p)
     return found
 
@@ -110,14 +111,16 @@ def test_an_actor_killed_mid_job_loses_no_row_and_writes_none_twice(tiny_model, 
     source = prompts_file(tmp_path / "in.jsonl", 800, min_tokens=120)  # long enough to kill an actor mid-job
     out = tmp_path / "out.jsonl"
     job = ray_stage.RayBatchJob(engine_options(tiny_model), source, out, replicas=2, threads=1, base=GREEDY)
+    # The previous tests' actors may still be shutting down: only this job's are candidates.
+    earlier = {p.pid for p in predictor_processes()}
     result = {}
     runner = threading.Thread(target=lambda: result.setdefault("summary", job.run()))
     runner.start()
     deadline = time.monotonic() + 120
-    while not predictor_processes() and time.monotonic() < deadline:
+    while not predictor_processes(earlier) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(2.0)  # the actors have loaded the model and are generating (the job takes ~10 s)
-    victims = predictor_processes()
+    victims = predictor_processes(earlier)
     assert victims, "no BatchPredictor actor process found"
     os.kill(victims[0].pid, signal.SIGKILL)
     mid_job = runner.is_alive()
