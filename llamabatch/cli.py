@@ -308,6 +308,53 @@ def batch(
         raise typer.Exit(1)
 
 
+@app.command()
+def embed(
+    context: typer.Context,
+    input: Annotated[str, typer.Argument(help="Texts: one a line, JSONL {\"input\", ...}, or OpenAI batch lines for /v1/embeddings; '-' = stdin; .gz read as is.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Vectors: .jsonl (a line per text), .parquet (a folder of parts) or .npy (rows in input order, OUTPUT.ids.txt beside it); resumed if it exists.")],
+    errors: Annotated[Optional[Path], typer.Option("--errors", help="Failed lines (default: OUTPUT.errors.jsonl).")] = None,
+    retry_errors: Annotated[bool, typer.Option("--retry-errors", help="Embed the lines in the error file again.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start afresh instead of resuming.")] = False,
+    pooling: Annotated[Optional[str], typer.Option(help="mean, cls or last (default: the GGUF's, else mean).")] = None,
+    normalize: Annotated[bool, typer.Option("--normalize/--no-normalize", help="Unit-length vectors.")] = True,
+    dimensions: Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka models), then normalize.")] = None,
+    truncate: Annotated[bool, typer.Option("--truncate", help="Cut texts longer than an embedding takes instead of failing them.")] = False,
+    model: ModelOpt = None,
+    config: CatalogOpt = None,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as one JSON object.")] = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Embed a file of texts of any size, many texts a decode; a rerun resumes."""
+    from .embeddings_format import EmbedSettings
+    from .engine.embedding import Pooling
+    from .jobs.batch_job import BatchJob, stop_on_signals
+
+    if pooling is not None and pooling not in ("mean", "cls", "last"):
+        raise LlamabatchError(f"--pooling must be mean, cls or last, got {pooling!r} (rerankers score pairs: serve /v1/rerank)")
+    settings = EmbedSettings(Pooling(pooling) if pooling else None, normalize, dimensions, truncate)
+    # The generation context is not used: one small slot.
+    engine_options = {**EngineOptions.of(context.params).engine_kwargs(), "n_parallel": 1, "n_ctx": 256}
+    with BatchEngine(**engine_options) as engine:
+        job = BatchJob(engine, input, output, errors=errors, retry_errors=retry_errors, overwrite=overwrite, embed=settings)
+        with stop_on_signals(job), display.BatchProgress(job.summary) as progress:
+            job.on_progress = progress.update
+            summary = job.run()
+        described = {"model": engine.model_name, "pooling": engine.embedder(settings.pooling).pooling.value}
+    if json_out:
+        display.json_line({"summary": {**described, **summary.to_dict()}})
+    else:
+        display.embed_summary(summary, job.output, job.errors)
+    if not summary.complete:
+        display.error_line(f"stopped by {summary.stopped_by or summary.broken}: resume with: {_command_line(context, drop={'overwrite'})}")
+        raise typer.Exit(1 if summary.broken else 130 if summary.stopped_by == "SIGINT" else 143)
+    if summary.failed:
+        display.error_line(f"{summary.failed} lines failed: see {job.errors}")
+        raise typer.Exit(1)
+
+
 def _replicas(text: str | None) -> int | str:
     """--replicas N (at least 1) or 'auto' (decided once Ray shows the cluster)."""
     if text is None:

@@ -103,10 +103,30 @@ class BatchProgress:
         s, elapsed = self.summary, max(time.perf_counter() - self.started, 1e-9)
         rate = (s.done + s.failed) / elapsed
         done = f"{self._processed:,}" + (f"/{s.total:,}" if s.total is not None else "")
-        text = f"{done} requests · {rate:,.1f} req/s · {s.completion_tokens / elapsed:,.0f} tok/s"
+        tokens = s.completion_tokens or s.prompt_tokens  # an embedding job generates none: what it embeds
+        text = f"{done} requests · {rate:,.1f} req/s · {tokens / elapsed:,.0f} tok/s"
         if s.total is not None and rate > 0:
             text += f" · ETA {_duration((s.total - self._processed) / rate)}"
         return text
+
+
+def embed_summary(summary, output, errors) -> None:
+    """`llamabatch embed`: what this run did, and where its vectors went."""
+    s = summary
+    table = Table(title="embed summary", show_header=False, title_justify="left", box=None)
+    rows = [
+        ("lines embedded", f"{s.done:,}" + (f" of {s.total:,} in the input" if s.total is not None else "")),
+        ("already done (skipped)", f"{s.skipped:,}"),
+        ("failed", f"{s.failed:,}"),
+        ("tokens embedded", f"{s.prompt_tokens:,}"),
+        ("wall", f"{s.wall_s:.2f} s"),
+        ("tokens/s", f"{s.prompt_tokens / s.wall_s if s.wall_s > 0 else 0:,.1f}"),
+        ("output", str(output)),
+        ("errors", str(errors)),
+    ]
+    for key, value in rows:
+        table.add_row(key, escape(value))
+    out.print(table)
 
 
 def batch_summary(summary, output, errors) -> None:

@@ -24,9 +24,9 @@ class SamplingError(LlamabatchError, ValueError):
 class DecodeError(LlamabatchError):
     """llama_decode returned non-zero. Code 1 means no KV slot was free (recoverable)."""
 
-    def __init__(self, code: int) -> None:
+    def __init__(self, code: int, meaning: str | None = None) -> None:
         self.code = code
-        meaning = {1: "no free KV cache slot for the batch", 2: "aborted"}.get(code, "error")
+        meaning = meaning or {1: "no free KV cache slot for the batch", 2: "aborted"}.get(code, "error")
         super().__init__(f"llama_decode failed with code {code} ({meaning})")
 
 

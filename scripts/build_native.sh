@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own reference tools (llama-batched-bench, llama-server, llama-perplexity,
-# llama-lookup, llama-speculative) from the llama.cpp sources vendored in the sdist of the
+# llama-lookup, llama-speculative, llama-embedding) from the llama.cpp sources vendored in the sdist of the
 # installed llama-cpp-python: the same llama.cpp version as the binding, so native and
 # llamabatch figures compare fairly.
 #
@@ -12,7 +12,7 @@ set -euo pipefail
 
 version=$(python -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))")
 dest=${LLAMABATCH_NATIVE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/llamabatch/native/$version}
-tools=(llama-batched-bench llama-server llama-perplexity llama-lookup llama-speculative)
+tools=(llama-batched-bench llama-server llama-perplexity llama-lookup llama-speculative llama-embedding)
 
 missing=()
 for tool in "${tools[@]}"; do

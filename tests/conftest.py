@@ -91,8 +91,9 @@ def serve(tiny_model):
     """Start servers (real uvicorn, real engine thread) on free ports; all stopped afterwards."""
     servers = []
 
-    def start(n_parallel: int = 4, n_ctx: int | None = None, engine_extra: dict | None = None, **settings) -> str:
-        engine = dict(model=tiny_model, n_parallel=n_parallel, n_ctx=n_ctx or 512 * n_parallel, n_threads=2, **(engine_extra or {}))
+    def start(n_parallel: int = 4, n_ctx: int | None = None, engine_extra: dict | None = None, model: Path | None = None,
+              **settings) -> str:
+        engine = dict(model=model or tiny_model, n_parallel=n_parallel, n_ctx=n_ctx or 512 * n_parallel, n_threads=2, **(engine_extra or {}))
         app = create_app(ServerSettings(engine=engine, **settings))
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

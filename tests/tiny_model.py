@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter, TokenType
+from gguf import GGUFWriter, PoolingType, TokenType
 
 BOS, EOS, UNK = 1, 2, 0
 WORD_PIECES = [
@@ -44,9 +44,14 @@ def write_tiny_model(
     seed: int = 0,
     always_eos: bool = False,
     pieces: list[str] = WORD_PIECES,
+    pooling: int | None = None,
+    rank_head: bool = False,
 ) -> Path:
     """Write a tiny F32 llama model. `always_eos` makes EOS the greedy choice at every step;
-    `pieces` are the word pieces after the byte tokens."""
+    `pieces` are the word pieces after the byte tokens; `pooling` (a llama_pooling_type) is
+    written as the model's embedding pooling. `rank_head` writes a reranker instead: the qwen3
+    architecture (llama's, with per-head norms), rank pooling and a two-label classifier
+    ("yes", "no"), as llama.cpp's Qwen3 rerankers are converted."""
     tokens, scores, types = vocabulary(pieces)
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
@@ -54,8 +59,14 @@ def write_tiny_model(
     def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    w = GGUFWriter(str(path), "llama")
-    w.add_name("tiny-test-llama")
+    arch = "qwen3" if rank_head else "llama"
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-test-{arch}")
+    if rank_head:
+        pooling = 4  # rank
+        w.add_classifier_output_labels(["yes", "no"])
+    if pooling is not None:
+        w.add_pooling_type(PoolingType(pooling))
     w.add_context_length(n_ctx_train)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
@@ -91,12 +102,17 @@ def write_tiny_model(
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
             w.add_tensor(f"blk.{i}.{name}.weight", weight(n_embd, n_embd))
+        if rank_head:
+            for name in ("attn_q_norm", "attn_k_norm"):
+                w.add_tensor(f"blk.{i}.{name}.weight", np.ones(n_embd // n_head, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, np.float32))
         w.add_tensor(f"blk.{i}.ffn_gate.weight", weight(n_ff, n_embd))
         w.add_tensor(f"blk.{i}.ffn_up.weight", weight(n_ff, n_embd))
         w.add_tensor(f"blk.{i}.ffn_down.weight", weight(n_embd, n_ff))
     w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
     w.add_tensor("output.weight", output)
+    if rank_head:
+        w.add_tensor("cls.output.weight", weight(2, n_embd, scale=1.0))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -14,7 +14,8 @@ from ..catalog import Catalog
 from .config import EngineConfig
 from .constraints import Constraint, Grammars
 from .drafters import DraftModel, Drafter, NgramDrafter
-from ..errors import ConstraintError, DecodeError, EngineBroken, PromptError, SamplingError
+from .embedding import Embedder, Pooling, finish, model_pooling
+from ..errors import ConfigError, ConstraintError, DecodeError, EngineBroken, PromptError, SamplingError
 from .native import KV_FULL, Batch, Context, Model, Vocab, init_backend, use_row_invariant_matmul
 from .results import Event, Result, RunStats, Score
 from .sampling import GreedySampler, SamplingParams, build_sampler, score_rows, token_logprob
@@ -114,6 +115,7 @@ class BatchEngine:
         self._failed_steps = 0  # in a row
         self._next_index = 0
         self._uids = itertools.count()
+        self._embedders: dict[Pooling, Embedder] = {}  # made on first use, one per pooling type
 
     def _drafter(self, draft_path: Path | None) -> Drafter | None:
         cfg = self.config
@@ -324,6 +326,35 @@ class BatchEngine:
         if seq.status is Status.FINISHED:
             return None
         return self._finish(seq, None, "", "cancelled")
+
+    # -- embeddings --------------------------------------------------------------------
+
+    def embedder(self, pooling: str | Pooling | None = None) -> Embedder:
+        """The embedding context for `pooling` (by default the GGUF's, else mean), made on first
+        use beside the generation context, on the same weights."""
+        chosen = Pooling(pooling) if pooling is not None else (model_pooling(self.model) or Pooling.MEAN)
+        embedder = self._embedders.get(chosen)
+        if embedder is None:
+            embedder = self._embedders[chosen] = Embedder(self.model, chosen, n_threads=self.config.n_threads)
+        return embedder
+
+    def embed(
+        self, inputs: list[str | list[int]], *, normalize: bool = True, pooling: str | Pooling | None = None,
+        truncate: bool = False, dimensions: int | None = None,
+    ) -> np.ndarray:
+        """One vector per input (text or token ids), a row each, many inputs per decode. Raises
+        PromptError for an empty input, or one longer than an embedding takes (unless truncate)."""
+        embedder = self.embedder(pooling)
+        if embedder.pooling is Pooling.RANK:
+            raise ConfigError(f"{self.model_name} is a reranker (rank pooling): use rerank(), it does not embed")
+        vectors = embedder.embed([embedder.tokens(text, truncate) for text in inputs])
+        return finish(vectors, normalize, dimensions)
+
+    def rerank(self, query: str, documents: list[str], *, truncate: bool = False) -> np.ndarray:
+        """Each document's relevance to the query (a reranker's first label: for Qwen3 rerankers
+        the probability of "yes"); ConfigError for a model without a rank head."""
+        embedder = self.embedder(Pooling.RANK)
+        return embedder.embed([embedder.pair_tokens(query, doc, truncate) for doc in documents])[:, 0]
 
     def reset_stats(self) -> None:
         self.stats = RunStats()
@@ -622,6 +653,8 @@ class BatchEngine:
             seq.close_samplers()
         if self.drafter is not None:
             self.drafter.close()
+        for embedder in self._embedders.values():
+            embedder.close()
         self.batch.close()
         self.ctx.close()
         self.model.close()

@@ -129,6 +129,9 @@ class Vocab:
         self.eos = llama_cpp.llama_vocab_eos(handle)
         self.pad = llama_cpp.llama_vocab_pad(handle)  # -1: none
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(handle))
+        self.sep = llama_cpp.llama_vocab_sep(handle)  # -1: none
+        self.add_eos = bool(llama_cpp.llama_vocab_get_add_eos(handle))
+        self.add_sep = bool(llama_cpp.llama_vocab_get_add_sep(handle))
         self._pieces: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}
 
@@ -270,8 +273,10 @@ class Context(_Owner):
 
     def __init__(
         self, model: Model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
-        n_threads: int, kv_unified: bool,
+        n_threads: int, kv_unified: bool, pooling: int | None = None,
     ) -> None:
+        """`pooling` (a llama_pooling_type) makes an embedding context: every row is an output,
+        and each sequence's pooled vector is read with embedding()."""
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
@@ -281,6 +286,9 @@ class Context(_Owner):
         params.kv_unified = kv_unified
         params.swa_full = False  # as llama.cpp's own tools: sliding-window layers keep only their window
         params.no_perf = True
+        if pooling is not None:
+            params.embeddings = True
+            params.pooling_type = pooling
         with _log.capture() as log:
             handle = llama_cpp.llama_init_from_model(model.handle, params)
         if not handle:
@@ -320,6 +328,18 @@ class Context(_Owner):
             rows = (ctypes.c_float * (n_outputs * n_vocab)).from_address(address)
             view = self._logits_views[address, n_outputs] = np.frombuffer(rows, np.float32).reshape(n_outputs, n_vocab)
         return view
+
+    def embedding(self, seq_id: int, n: int) -> np.ndarray:
+        """The first n floats of a sequence's pooled output from the last decode (a copy)."""
+        pointer = llama_cpp.llama_get_embeddings_seq(self.handle, seq_id)
+        if not pointer:
+            raise DecodeError(-1, f"no pooled output for sequence {seq_id}")
+        return np.ctypeslib.as_array(pointer, shape=(n,)).copy()
+
+    def clear(self) -> None:
+        """Free every KV cell (an embedding context starts each decode from nothing)."""
+        if self._memory:  # encoder-only models keep no cache
+            llama_cpp.llama_memory_clear(self._memory, True)
 
     def remove_sequence(self, seq_id: int, from_pos: int = 0) -> None:
         """Free a sequence's KV cells at positions >= from_pos (all of them by default)."""

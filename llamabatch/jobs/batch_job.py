@@ -13,17 +13,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from ..embeddings_format import EmbedSettings
 from ..engine import BatchEngine, SamplingParams
 from ..errors import EngineBroken, LlamabatchError
 from .inputs import STDIN, BadLine, Format, JobRequest, RequestReader, peek_ids
 from .ledger import IdSet, JsonlLog, digest, find_duplicate
 from .manifest import Manifest, job_settings
 from .runner import Outcome, RequestRunner
+from .vectors import ParquetParts, write_npy
 
 
 @dataclass
@@ -82,15 +84,34 @@ class BatchJob:
         incomplete_errors: bool = False,
         window: int | None = None,
         on_progress: Callable[[JobSummary], None] | None = None,
+        embed: EmbedSettings | None = None,
     ) -> None:
+        """`embed` makes it an embedding job (`llamabatch embed`): a text line is a text to embed,
+        and the output may be .parquet or .npy as well as JSON Lines."""
         self.engine = engine
-        self._setup(input, output, errors, base, retry_errors, overwrite, on_progress)
-        self.runner = RequestRunner(engine, self.format, window, incomplete_errors)
-        self.settings = job_settings(engine.model_name, engine.model.path, engine.config, self.format, self.base)
+        self._setup(input, output, errors, base, retry_errors, overwrite, on_progress, embed is not None)
+        vectors = self.output.suffix in (".parquet", ".npy")
+        if vectors:
+            self._vector_output(embed)
+        embedding = replace(embed or EmbedSettings(), one_per_line=vectors)
+        self.runner = RequestRunner(engine, self.format, window, incomplete_errors, embedding)
+        self.settings = job_settings(engine.model_name, engine.model.path, engine.config, self.format, self.base,
+                                     embed and embedding)
+
+    def _vector_output(self, embed: EmbedSettings | None) -> None:
+        """A .parquet output is a folder of parts; a .npy output is assembled from one at the end."""
+        if embed is None:
+            self.reader.close()
+            raise LlamabatchError(f"{self.output.suffix} output is for embeddings (llamabatch embed); batch writes JSON Lines")
+        if self.format is Format.OPENAI:
+            self.reader.close()
+            raise LlamabatchError("OpenAI batch lines are answered with OpenAI's output lines: write them to a .jsonl output")
+        self.parts = self.output if self.output.suffix == ".parquet" else self.output.with_name(self.output.name + ".parts")
+        self._out = ParquetParts(self.parts)
 
     def _setup(
         self, input: str | Path, output: str | Path, errors: str | Path | None, base: SamplingParams | None,
-        retry_errors: bool, overwrite: bool, on_progress: Callable[[JobSummary], None] | None,
+        retry_errors: bool, overwrite: bool, on_progress: Callable[[JobSummary], None] | None, embed: bool = False,
     ) -> None:
         """What every job has, wherever its requests run: the input, the output files, resuming."""
         self.input = input
@@ -98,7 +119,7 @@ class BatchJob:
         self.errors = Path(errors) if errors is not None else self.output.with_name(self.output.name + ".errors.jsonl")
         if str(input) != STDIN and Path(input).resolve() in (self.output.resolve(), self.errors.resolve()):
             raise LlamabatchError(f"the output {self.output} would overwrite the input")
-        self.reader = RequestReader(input, base)
+        self.reader = RequestReader(input, base, embed)
         self.format = self.reader.format
         if base is not None and self.format is Format.OPENAI:
             self.reader.close()
@@ -138,6 +159,8 @@ class BatchJob:
             self.reader.close()
             self._out.close()
             self._err.close()
+            if self.output.suffix == ".npy" and self.summary.complete and self.parts.is_dir():
+                write_npy(self.parts, self.output)
             s, (calls, slots, drafted, accepted) = self.summary, stats_before
             s.stopped_by = self.stop_signals[0] if self.stop_signals else None
             s.wall_s = time.perf_counter() - started

@@ -19,6 +19,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from ..engine import SamplingParams
 from ..errors import LlamabatchError
+from ..embeddings_format import EMBEDDINGS_URL, EmbeddingRequest
 from ..openai_format import ENDPOINTS, SamplingFields, validation_message
 
 STDIN = "-"
@@ -49,6 +50,7 @@ class JobRequest:
     body: SamplingFields | None = None
     prompt: str | None = None  # llamabatch formats
     params: SamplingParams | None = None
+    embedding: EmbeddingRequest | None = None  # texts to embed (a /v1/embeddings line, an "input" line, an embed job's text)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ def detect_format(first: str | None) -> Format:
 class RequestReader:
     """Reads one input lazily, yielding a JobRequest or BadLine per non-blank line."""
 
-    def __init__(self, source: str | Path, base: SamplingParams | None = None) -> None:
+    def __init__(self, source: str | Path, base: SamplingParams | None = None, embed: bool = False) -> None:
         self.source = source
         self.base = base or SamplingParams()
         self._lines = numbered_lines(source)
@@ -134,7 +136,7 @@ class RequestReader:
         except LlamabatchError:
             self.close()
             raise
-        self.parse = LineParser(self.format, self.base).parse
+        self.parse = LineParser(self.format, self.base, embed).parse
 
     def close(self) -> None:
         """Close the input file (safe to call twice; reading stops there)."""
@@ -154,12 +156,15 @@ class LineParser:
 
     format: Format
     base: SamplingParams
+    embed: bool = False  # `llamabatch embed`: a text line is a text to embed, not a prompt
 
     def parse(self, n: int, text: str | None) -> JobRequest | BadLine:
         digest = request_digest(text)
         if text is None:
             return BadLine(line_id(n), n, digest, "not UTF-8 text")
         if self.format is Format.TEXT:
+            if self.embed:
+                return JobRequest(line_id(n), n, digest, embedding=EmbeddingRequest(input=text.rstrip("\r\n")))
             return JobRequest(line_id(n), n, digest, prompt=text.rstrip("\r\n"), params=self.base)
         try:
             obj = json.loads(text)
@@ -180,10 +185,14 @@ class LineParser:
         if obj.get("method", "POST") != "POST":
             return BadLine(id_, n, digest, f"method must be POST, got {obj.get('method')!r}")
         url = obj.get("url")
-        if url not in ENDPOINTS:
-            return BadLine(id_, n, digest, f"unsupported url {url!r}: supported are {', '.join(ENDPOINTS)}")
+        if url not in ENDPOINTS and url != EMBEDDINGS_URL:
+            return BadLine(id_, n, digest, f"unsupported url {url!r}: supported are {', '.join([*ENDPOINTS, EMBEDDINGS_URL])}")
         if not isinstance(obj.get("body"), dict):
             return BadLine(id_, n, digest, "body must be a JSON object")
+        if url == EMBEDDINGS_URL:
+            return self._embedding(id_, n, digest, obj["body"], url)
+        if self.embed:
+            return BadLine(id_, n, digest, f"an embed job runs {EMBEDDINGS_URL} lines, not {url}", status=400)
         model, _ = ENDPOINTS[url]
         try:
             body = model.model_validate(obj["body"])
@@ -196,7 +205,15 @@ class LineParser:
             return BadLine(id_, n, digest, str(e), status=400)
         return JobRequest(id_, n, digest, url=url, body=body)
 
+    def _embedding(self, id_: str, n: int, digest: str, fields_: dict, url: str | None = None) -> JobRequest | BadLine:
+        try:
+            return JobRequest(id_, n, digest, url=url, embedding=EmbeddingRequest.model_validate(fields_))
+        except ValidationError as e:
+            return BadLine(id_, n, digest, validation_message(e), status=400)
+
     def _jsonl(self, id_: str, n: int, digest: str, obj: dict) -> JobRequest | BadLine:
+        if "input" in obj or self.embed:  # {"input": ..., "dimensions", "truncate"}: texts to embed
+            return self._embedding(id_, n, digest, {k: v for k, v in obj.items() if k != "id"})
         prompt = obj.get("prompt")
         if not isinstance(prompt, str):
             return BadLine(id_, n, digest, "expected an object with a string 'prompt'")

@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..embeddings_format import EmbedSettings
 from ..engine import EngineConfig, SamplingParams
 from ..errors import LlamabatchError
 from .inputs import Format
@@ -29,8 +30,12 @@ def model_fingerprint(path: Path) -> str:
     return f"{size}:{h.hexdigest()}"
 
 
-def job_settings(model_name: str, model_path: Path, config: EngineConfig, fmt: Format, base: SamplingParams) -> dict:
-    """What must match for a resumed run to continue the same job."""
+def job_settings(
+    model_name: str, model_path: Path, config: EngineConfig, fmt: Format, base: SamplingParams,
+    embed: EmbedSettings | None = None,
+) -> dict:
+    """What must match for a resumed run to continue the same job (an embedding job's pooling
+    and normalisation among them)."""
     return {
         "model": model_name,
         "model_fingerprint": model_fingerprint(model_path),
@@ -42,6 +47,7 @@ def job_settings(model_name: str, model_path: Path, config: EngineConfig, fmt: F
         # threads, batch sizes or speculation.
         "chat": config.chat,
         "deterministic": config.deterministic,
+        **({"embedding": embed.manifest()} if embed is not None else {}),
     }
 
 

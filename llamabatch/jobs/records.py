@@ -6,6 +6,9 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence as Seq
 
+import numpy as np
+
+from ..embeddings_format import EmbedSettings, embeddings_body
 from ..engine import BatchEngine, Sequence
 from ..openai_format import ENDPOINTS, error_body, new_id, response_body, usage
 from .inputs import BadLine, Format, JobRequest
@@ -26,6 +29,22 @@ def result_record(fmt: Format, request: JobRequest, sequences: Seq[Sequence], en
                for s in sequences]
     return {"id": request.id, "line": request.line, "prompt": request.prompt, "choices": choices, "usage": usage(sequences),
             "request_digest": request.digest}
+
+
+def embedding_record(
+    fmt: Format, request: JobRequest, rows: np.ndarray, prompt_tokens: int, model: str, settings: EmbedSettings,
+) -> dict:
+    """An embedded request's output line: the server's /v1/embeddings body for OpenAI lines, else
+    the vector ("embedding"), or the vectors of a list of inputs ("embeddings")."""
+    body = embeddings_body(rows, request.embedding, model, prompt_tokens, settings)
+    if fmt is Format.OPENAI:
+        return {"id": _batch_id(), "custom_id": request.id,
+                "response": {"status_code": 200, "request_id": _request_id(), "body": body}, "error": None,
+                "request_digest": request.digest}
+    vectors = [item["embedding"] for item in body["data"]]
+    one = request.embedding.single
+    return {"id": request.id, "line": request.line, **({"embedding": vectors[0]} if one else {"embeddings": vectors}),
+            "usage": body["usage"], "request_digest": request.digest}
 
 
 def error_record(fmt: Format, item: JobRequest | BadLine, message: str, status: int | None) -> dict:

@@ -12,7 +12,8 @@ from ..engine import BatchEngine, Sequence, Status
 from ..errors import LlamabatchError
 from ..openai_format import engine_inputs, failure, usage
 from .inputs import BadLine, Format, JobRequest
-from .records import error_record, incomplete_record, result_record
+from ..embeddings_format import EmbedSettings, embedding_tokens
+from .records import embedding_record, error_record, incomplete_record, result_record
 
 WINDOW_PER_SLOT = 2  # sequences queued or running per slot: enough that a freed slot never waits
 IDLE = object()  # what a never-ending source yields when it has nothing now: step on, ask again later
@@ -42,10 +43,16 @@ class _Open:
 class RequestRunner:
     """Feeds requests to `engine` and yields an Outcome per request, in completion order."""
 
-    def __init__(self, engine: BatchEngine, fmt: Format, window: int | None = None, incomplete_errors: bool = False) -> None:
+    def __init__(
+        self, engine: BatchEngine, fmt: Format, window: int | None = None, incomplete_errors: bool = False,
+        embedding: EmbedSettings = EmbedSettings(),
+    ) -> None:
         self.engine = engine
         self.format = fmt
         self.incomplete_errors = incomplete_errors  # answers with a cut structured output go to the error file
+        self.embedding = embedding
+        self._to_embed: list[tuple[JobRequest, list[list[int]]]] = []  # embedding requests, pooled a decode's worth at a time
+        self._to_embed_tokens = 0
         self.window = window or WINDOW_PER_SLOT * engine.config.n_parallel
         self.stop_signals: list[str] = []  # set by signal handlers, acted on between steps
         self._stopping = False
@@ -71,8 +78,12 @@ class RequestRunner:
                     break
                 elif isinstance(item, BadLine):
                     yield self._failure(item, item.message, item.status)
+                elif item.embedding is not None:
+                    yield from self._submit_embedding(item)
                 else:
                     yield from self._submit(item)
+            if self._to_embed:  # what the window let in: pooled before the next generation step
+                yield from self._embed()
             if not self.engine.has_work:
                 if exhausted or self._stopping:
                     return
@@ -123,6 +134,41 @@ class RequestRunner:
         self._n_open_sequences += req.n_open
         for seq in open_sequences:
             self._open[seq.uid] = req
+
+    def _submit_embedding(self, request: JobRequest) -> Iterator[Outcome]:
+        """Tokenize the request's texts (one refused fails the request alone) and hold them until a
+        decode's worth is waiting: texts of many requests share each decode."""
+        try:
+            if self.embedding.one_per_line and not request.embedding.single:
+                raise LlamabatchError("a .parquet or .npy output holds one vector a line: give one text in 'input'")
+            tokens = embedding_tokens(self.engine, request.embedding, self.embedding.pooling, self.embedding.truncate)
+        except LlamabatchError as e:
+            yield self._failure(request, str(e), 400)
+            return
+        self._to_embed.append((request, tokens))
+        self._to_embed_tokens += sum(map(len, tokens))
+        if self._to_embed_tokens >= self.engine.embedder(self.embedding.pooling).n_tokens:
+            yield from self._embed()
+
+    def _embed(self) -> Iterator[Outcome]:
+        waiting, self._to_embed, self._to_embed_tokens = self._to_embed, [], 0
+        try:
+            rows = self.engine.embedder(self.embedding.pooling).embed([t for _, lists in waiting for t in lists])
+        except LlamabatchError as e:  # the decode failed: the requests it carried fail (500, as the server's)
+            for request, _ in waiting:
+                yield self._failure(request, str(e), 500)
+            return
+        start = 0
+        for request, lists in waiting:
+            n_tokens = sum(map(len, lists))
+            try:
+                record = embedding_record(self.format, request, rows[start:start + len(lists)], n_tokens,
+                                          self.engine.model_name, self.embedding)
+            except LlamabatchError as e:  # dimensions beyond the model's width
+                yield self._failure(request, str(e), 400)
+            else:
+                yield Outcome(request.id, True, record, n_tokens)
+            start += len(lists)
 
     def _finished(self, uid: int) -> Iterator[Outcome]:
         req = self._open.pop(uid, None)

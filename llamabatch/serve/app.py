@@ -23,14 +23,18 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import BatchEngine, SamplingParams
-from ..errors import LlamabatchError
+from ..embeddings_format import (
+    EmbeddingRequest, RerankRequest, embedding_tokens, embeddings_body, rerank_body, rerank_tokens,
+)
+from ..engine.embedding import Pooling
+from ..errors import DecodeError, EngineBroken, LlamabatchError
 from ..openai_format import (
     ChatRequest, CompletionRequest, SamplingFields, engine_inputs, error_body, failure, validation_message,
 )
 from .metrics import Metrics
 from .openai_api import BatchRequest, Reply
 from .tokenizer_api import tokenizer_routes
-from .worker import EngineUnavailable, EngineWorker, QueueFull, Request
+from .worker import EngineUnavailable, EngineWorker, PoolingRequest, QueueFull, Request
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class ServerSettings:
     api_key: str | None = None
     max_queue: int = 256  # sequences waiting for a slot before requests get 429
     request_timeout: float = 600.0  # seconds until a request is cancelled and answered 504
+    pooling: str | None = None  # /v1/embeddings: the GGUF's pooling, else mean, unless set
 
 # -- the app -----------------------------------------------------------------------------
 
@@ -112,6 +117,21 @@ def create_app(settings: ServerSettings) -> FastAPI:
         job = await _submit(worker, body.prompts, _params(body), metrics, settings.request_timeout)
         reply = Reply(job, _engine(worker), "batch.completion", settings.request_timeout, metrics)
         return await reply.batch(worker, http)
+
+    @app.post("/v1/embeddings", dependencies=[Depends(authorized)], responses=_errors(400, 401, 500, 503, 504))
+    async def embeddings(body: EmbeddingRequest) -> dict:
+        pooling = None if settings.pooling is None else Pooling(settings.pooling)
+        rows, n_tokens = await _pool(worker, lambda engine: embedding_tokens(engine, body, pooling), pooling, settings.request_timeout)
+        try:
+            return embeddings_body(rows, body, _engine(worker).model_name, n_tokens)
+        except LlamabatchError as e:  # dimensions beyond the model's width
+            raise HTTPException(400, str(e)) from None
+
+    @app.post("/v1/rerank", dependencies=[Depends(authorized)], responses=_errors(400, 401, 500, 503, 504))
+    @app.post("/rerank", dependencies=[Depends(authorized)], include_in_schema=False)
+    async def rerank(body: RerankRequest) -> dict:
+        rows, n_tokens = await _pool(worker, lambda engine: rerank_tokens(engine, body), Pooling.RANK, settings.request_timeout)
+        return rerank_body(rows[:, 0], body, _engine(worker).model_name, n_tokens)
 
     app.include_router(tokenizer_routes(lambda: _engine(worker), authorized, _errors))
     return app
@@ -241,6 +261,25 @@ async def _submit(worker: EngineWorker, prompts: list, params: SamplingParams, m
         metrics.failed.inc()
         raise HTTPException(verdict.status, verdict.message)
     return job
+
+
+async def _pool(worker: EngineWorker, tokens, pooling: Pooling | None, timeout: float):
+    """Texts (or pairs) pooled by the worker beside the running batch: (rows, tokens). 400 for an
+    input or model that cannot, 500 when the decode failed, 503 and 504 as for generation."""
+    _engine(worker)
+    loop = asyncio.get_running_loop()
+    request = PoolingRequest(loop, tokens, pooling, loop.create_future())
+    try:
+        worker.pool(request)
+        return await asyncio.wait_for(request.done, timeout)
+    except EngineUnavailable as e:
+        raise HTTPException(503, str(e)) from None
+    except (DecodeError, EngineBroken) as e:
+        raise HTTPException(500, str(e)) from None
+    except LlamabatchError as e:
+        raise HTTPException(400, str(e)) from None
+    except asyncio.TimeoutError:
+        raise HTTPException(504, f"the embeddings took longer than {timeout:g} s") from None
 
 
 def _error(status: int, message: str, kind: str | None = None, headers: dict | None = None) -> JSONResponse:

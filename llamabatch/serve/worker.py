@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine import BatchEngine, Event, SamplingParams, Sequence
+from ..engine.embedding import Pooling
 from ..errors import EngineBroken, LlamabatchError
 
 
@@ -51,6 +52,18 @@ class Request:
     t_start: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(eq=False)
+class PoolingRequest:
+    """One caller's texts to embed (or pairs to score): `tokens` makes their token lists in the
+    worker thread, and `done` gets (pooled rows, tokens) or the error. Requests that wait
+    together share decodes."""
+
+    loop: asyncio.AbstractEventLoop
+    tokens: Callable[[BatchEngine], list[list[int]]]
+    pooling: Pooling | None
+    done: asyncio.Future
+
+
 @dataclass
 class Observer:
     """Hooks the worker calls from its thread (the server feeds its metrics from them)."""
@@ -70,6 +83,7 @@ class EngineWorker:
         self.broken: str | None = None  # why the engine stopped serving, once it has
         self.ready = threading.Event()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._pooling: list[PoolingRequest] = []  # taken, run after the inbox is drained
         self._owners: dict[int, tuple[Request, Sequence]] = {}  # sequence uid -> its request, and itself
         self._last_token_at: dict[int, float] = {}
         self._pending = 0  # sequences submitted but not yet taken by the worker thread
@@ -119,6 +133,13 @@ class EngineWorker:
     def cancel(self, request: Request) -> None:
         self._inbox.put(lambda: self._cancel(request))
 
+    def pool(self, request: PoolingRequest) -> None:
+        """Queue texts to embed or pairs to score; EngineUnavailable when the engine has stopped."""
+        with self._pending_lock:
+            if self.broken is not None:
+                raise EngineUnavailable(self.broken)
+            self._inbox.put(lambda: self._pooling.append(request))
+
     # -- the worker thread ----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -132,6 +153,8 @@ class EngineWorker:
         try:
             while not self._stop.is_set():
                 self._drain_inbox(block=not self.engine.has_work)
+                if self._pooling:
+                    self._run_pooling()
                 if self.engine.has_work:
                     self._step()
                 if self.engine.broken is not None:
@@ -149,6 +172,9 @@ class EngineWorker:
             event = Event(seq.index, None, "", "error", self.broken, seq.sample, seq.uid)
             request.loop.call_soon_threadsafe(request.events.put_nowait, event)
         self._drain_inbox(block=False)  # submissions already queued are refused by _take
+        for pooling in self._pooling:
+            pooling.loop.call_soon_threadsafe(_resolve, pooling.done, EngineUnavailable(self.broken))
+        self._pooling.clear()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -186,6 +212,32 @@ class EngineWorker:
                 self._forget(seq)
                 request.loop.call_soon_threadsafe(request.events.put_nowait, event)
 
+    def _run_pooling(self) -> None:
+        """Every waiting embedding (and rerank) request, packed together into as few decodes as
+        their texts fill, one pooling type at a time. A request whose input is refused fails
+        alone; a decode that fails fails the requests it carried."""
+        waiting, self._pooling = self._pooling, []
+        for pooling in {r.pooling for r in waiting}:
+            taken: list[tuple[PoolingRequest, list[list[int]]]] = []
+            for request in (r for r in waiting if r.pooling == pooling):
+                try:
+                    taken.append((request, request.tokens(self.engine)))
+                except Exception as e:  # noqa: BLE001 - an input or model refused: this request's answer
+                    request.loop.call_soon_threadsafe(_resolve, request.done, e)
+            if not taken:
+                continue
+            try:
+                rows = self.engine.embedder(pooling).embed([t for _, lists in taken for t in lists])
+            except Exception as e:  # noqa: BLE001 - the decode failed: the requests it carried hear why
+                for request, _ in taken:
+                    request.loop.call_soon_threadsafe(_resolve, request.done, e)
+                continue
+            start = 0
+            for request, lists in taken:
+                answer = (rows[start:start + len(lists)], sum(map(len, lists)))
+                start += len(lists)
+                request.loop.call_soon_threadsafe(_resolve, request.done, None, answer)
+
     def _step(self) -> None:
         slots_before = self.engine.stats.sequence_slots
         started = time.perf_counter()
@@ -216,10 +268,10 @@ class EngineWorker:
         self.observer.on_finish(seq)
 
 
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+def _resolve(future: asyncio.Future, error: BaseException | None, result=None) -> None:
     if future.done():
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)

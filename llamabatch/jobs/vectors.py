@@ -1,0 +1,106 @@
+"""Embedding jobs' binary outputs. A `.parquet` output is a folder of part files (a Parquet
+dataset: pyarrow, pandas, polars and DuckDB read it as one table), each written whole under a
+temporary name and then renamed into place, so a killed job leaves only complete parts and a
+resumed one reads their ids back. A `.npy` output is assembled from such a folder (OUTPUT.parts)
+when the job ends: one row per embedded line in input order, and OUTPUT.ids.txt naming each row."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import LlamabatchError
+
+PART_ROWS = 2048  # rows a part holds: what a kill can cost, and the memory a job holds for them
+
+
+class ParquetParts:
+    """The output sink of an embedding job written as Parquet (the same calls as JsonlLog)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._rows: list[dict] = []
+        self._next_part = 0
+
+    def _parts(self) -> list[Path]:
+        return sorted(self.path.glob("part-*.parquet")) if self.path.is_dir() else []
+
+    def recorded(self, key: str) -> Iterator[tuple[str, str]]:
+        """(id, request digest) of every row already written."""
+        if self.path.exists() and not self.path.is_dir():
+            raise LlamabatchError(f"{self.path} is a file, not a Parquet output folder: use --overwrite or another output")
+        for part in self._parts():
+            table = pq.read_table(part, columns=[key, "request_digest"])
+            yield from zip(table.column(key).to_pylist(), table.column("request_digest").to_pylist())
+
+    def open(self, fresh: bool) -> None:
+        if fresh and self.path.is_dir():
+            shutil.rmtree(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        for stale in self.path.glob("*.tmp"):  # a part a kill interrupted: its rows are not recorded
+            stale.unlink()
+        parts = self._parts()
+        self._next_part = int(parts[-1].stem.removeprefix("part-")) + 1 if parts else 0
+
+    def write(self, record: dict) -> None:
+        self._rows.append(record)
+        if len(self._rows) >= PART_ROWS:
+            self._flush()
+
+    def close(self) -> None:
+        if self._rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        rows, self._rows = self._rows, []
+        vectors = np.asarray([r["embedding"] for r in rows], dtype=np.float32)
+        table = pa.table({
+            "id": [r["id"] for r in rows],
+            "line": pa.array([r["line"] for r in rows], pa.int64()),
+            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), vectors.shape[1]),
+            "prompt_tokens": pa.array([r["usage"]["prompt_tokens"] for r in rows], pa.int32()),
+            "request_digest": [r["request_digest"] for r in rows],
+        })
+        final = self.path / f"part-{self._next_part:06d}.parquet"
+        temporary = final.with_suffix(".tmp")
+        pq.write_table(table, temporary)
+        with temporary.open("rb") as f:
+            os.fsync(f.fileno())
+        os.replace(temporary, final)
+        self._next_part += 1
+
+
+def write_npy(parts: Path, output: Path) -> int:
+    """Assemble the rows of a Parquet output folder into `output` (float32, rows in input order,
+    written through a memory map a part at a time) and OUTPUT.ids.txt. Returns the rows written."""
+    files = sorted(parts.glob("part-*.parquet"))
+    if not files:
+        raise LlamabatchError(f"nothing was embedded: {parts} holds no rows")
+    index = pq.read_table(files, columns=["id", "line"]) if len(files) == 1 else pa.concat_tables(
+        [pq.read_table(f, columns=["id", "line"]) for f in files])
+    lines = index.column("line").to_numpy()
+    row_of = np.empty(len(lines), dtype=np.int64)  # the row each stored vector goes to: its rank by input line
+    row_of[np.argsort(lines, kind="stable")] = np.arange(len(lines))
+    dim = pq.read_table(files[0], columns=["embedding"]).schema.field("embedding").type.list_size
+    array = np.lib.format.open_memmap(output, mode="w+", dtype=np.float32, shape=(len(lines), dim))
+    start = 0
+    for f in files:
+        column = pq.read_table(f, columns=["embedding"]).column("embedding").combine_chunks()
+        block = column.flatten().to_numpy().reshape(-1, dim)
+        array[row_of[start:start + len(block)]] = block
+        start += len(block)
+    array.flush()
+    del array
+    ids = np.asarray(index.column("id").to_pylist(), dtype=object)[np.argsort(lines, kind="stable")]
+    ids_path(output).write_text("".join(f"{id_}\n" for id_ in ids))
+    return len(lines)
+
+
+def ids_path(npy: Path) -> Path:
+    return npy.with_suffix(".ids.txt")
