@@ -20,8 +20,9 @@ ALLOWED = {
     "llamabatch.catalog": {"llamabatch.errors"},
     "llamabatch.engine": LEAVES,
     "llamabatch.openai_format": LEAVES | {"llamabatch.engine"},
-    "llamabatch.serve": LEAVES | {"llamabatch.engine", "llamabatch.openai_format"},
-    "llamabatch.jobs": LEAVES | {"llamabatch.engine", "llamabatch.openai_format"},
+    "llamabatch.embeddings_format": LEAVES | {"llamabatch.engine", "llamabatch.openai_format"},
+    "llamabatch.serve": LEAVES | {"llamabatch.engine", "llamabatch.openai_format", "llamabatch.embeddings_format"},
+    "llamabatch.jobs": LEAVES | {"llamabatch.engine", "llamabatch.openai_format", "llamabatch.embeddings_format"},
     "llamabatch.measure": LEAVES | {"llamabatch.engine"},
     "llamabatch.display": LEAVES | {"llamabatch.engine", "llamabatch.measure"},
 }

@@ -116,6 +116,7 @@ class BatchEngine:
         self._next_index = 0
         self._uids = itertools.count()
         self._embedders: dict[Pooling, Embedder] = {}  # made on first use, one per pooling type
+        self._default_pooling: Pooling | None = None
 
     def _drafter(self, draft_path: Path | None) -> Drafter | None:
         cfg = self.config
@@ -332,7 +333,9 @@ class BatchEngine:
     def embedder(self, pooling: str | Pooling | None = None) -> Embedder:
         """The embedding context for `pooling` (by default the GGUF's, else mean), made on first
         use beside the generation context, on the same weights."""
-        chosen = Pooling(pooling) if pooling is not None else (model_pooling(self.model) or Pooling.MEAN)
+        if pooling is None:  # read from the GGUF once: a job asks for every line
+            pooling = self._default_pooling = self._default_pooling or model_pooling(self.model) or Pooling.MEAN
+        chosen = Pooling(pooling)
         embedder = self._embedders.get(chosen)
         if embedder is None:
             embedder = self._embedders[chosen] = Embedder(self.model, chosen, n_threads=self.config.n_threads)

@@ -145,10 +145,11 @@ class RequestRunner:
         except LlamabatchError as e:
             yield self._failure(request, str(e), 400)
             return
+        n_tokens = sum(map(len, tokens))
+        if self._to_embed and self._to_embed_tokens + n_tokens > self.engine.embedder(self.embedding.pooling).n_tokens:
+            yield from self._embed()  # a full decode's worth: this request starts the next
         self._to_embed.append((request, tokens))
-        self._to_embed_tokens += sum(map(len, tokens))
-        if self._to_embed_tokens >= self.engine.embedder(self.embedding.pooling).n_tokens:
-            yield from self._embed()
+        self._to_embed_tokens += n_tokens
 
     def _embed(self) -> Iterator[Outcome]:
         waiting, self._to_embed, self._to_embed_tokens = self._to_embed, [], 0
