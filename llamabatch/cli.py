@@ -590,6 +590,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
     max_queue: Annotated[int, typer.Option(help="Sequences that may wait for a slot; beyond, requests get 429.")] = 256,
     request_timeout: Annotated[float, typer.Option(help="Seconds before a request is cancelled (504).")] = 600.0,
+    pooling: Annotated[Optional[str], typer.Option(help="/v1/embeddings: mean, cls or last (default: the GGUF's, else mean).")] = None,
     batch_size: BatchOpt = None,
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
@@ -616,7 +617,10 @@ def serve(
     for name in (model, draft_model) if draft_model else (model,):  # an unknown model or a missing file fails here, not in a thread
         Catalog.load(config).resolve(name).gguf_path()
     engine = EngineOptions.of(context.params).engine_kwargs()
-    settings = ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout)
+    if pooling is not None and pooling not in ("mean", "cls", "last"):
+        raise LlamabatchError(f"--pooling must be mean, cls or last, got {pooling!r} (a reranker's rank pooling is its GGUF's)")
+    settings = ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout,
+                              pooling=pooling)
     if replicas is not None:
         _serve_replicas(settings, _replicas(replicas), ray or "local", host, port)
         return

@@ -157,7 +157,7 @@ def test_bad_lines_go_to_the_error_file_and_good_ones_complete(make_engine, tmp_
         openai_line("ok-1", "/v1/completions", good),
         "{not json",
         {"custom_id": "no-body", "method": "POST", "url": "/v1/completions"},
-        openai_line("embeddings", "/v1/embeddings", {"input": "x"}),
+        openai_line("responses", "/v1/responses", {"input": "x"}),
         {**openai_line("extra", "/v1/completions", good), "priority": 1},
         openai_line("hot", "/v1/completions", {**good, "temperature": -1}),
         openai_line("typed", "/v1/completions", {**good, "max_tokens": "many"}),
@@ -171,11 +171,11 @@ def test_bad_lines_go_to_the_error_file_and_good_ones_complete(make_engine, tmp_
     assert (summary.done, summary.failed) == (2, 10)
     assert sorted(by_id(tmp_path / "out.jsonl", "custom_id")) == ["ok-1", "ok-2"]
     errors = by_id(tmp_path / "out.jsonl.errors.jsonl", "custom_id")
-    assert sorted(errors) == sorted(["line-2", "no-body", "embeddings", "extra", "hot", "typed", "long", "empty", "streamed", "line-12"])
+    assert sorted(errors) == sorted(["line-2", "no-body", "responses", "extra", "hot", "typed", "long", "empty", "streamed", "line-12"])
     messages = {id_: e["error"]["message"] for id_, e in errors.items()}
     assert "not valid JSON" in messages["line-2"] and "not UTF-8" in messages["line-12"]
     assert "body must be a JSON object" in messages["no-body"]
-    assert "unsupported url '/v1/embeddings'" in messages["embeddings"]
+    assert "unsupported url '/v1/responses'" in messages["responses"]
     assert "unknown fields ['priority']" in messages["extra"]
     assert "temperature: Input should be greater than or equal to 0" in messages["hot"]
     assert messages["typed"].startswith("max_tokens:")

@@ -18,7 +18,11 @@ import numpy as np
 from ..errors import ConfigError, PromptError
 from .native import Batch, Context, Model
 
-EMBED_TOKENS = 2048  # the longest text (and the most tokens per decode) by default
+EMBED_TOKENS = 2048  # the longest text an embedding takes by default
+# Tokens packed into one decode. Packed texts are masked from each other, but attention still
+# spans every row of the decode: on the CPU a pack of 256 tokens embedded the tests' tiny model
+# 3x faster than one of 2048 (73k vs 24k tokens/s; Gemma 3 270M, whose matrices dominate, the same).
+PACK_TOKENS = 256
 MAX_TEXTS_PER_DECODE = 64  # sequences per decode: llama.cpp allows 256; 64 short texts already fill a batch
 
 
@@ -54,7 +58,7 @@ class Embedder:
 
     def __init__(
         self, model: Model, pooling: Pooling, *, n_threads: int, n_tokens: int = EMBED_TOKENS,
-        max_texts: int = MAX_TEXTS_PER_DECODE,
+        pack_tokens: int = PACK_TOKENS, max_texts: int = MAX_TEXTS_PER_DECODE,
     ) -> None:
         native_pooling = model_pooling(model)
         if pooling is Pooling.RANK and native_pooling is not Pooling.RANK:
@@ -62,6 +66,7 @@ class Embedder:
         self.model = model
         self.pooling = pooling
         self.n_tokens = min(n_tokens, model.n_ctx_train)
+        self.pack_tokens = min(pack_tokens, self.n_tokens)
         self.max_texts = min(max_texts, llama_cpp.llama_max_parallel_sequences())
         self.ctx = Context(
             model, n_ctx=self.n_tokens, n_batch=self.n_tokens, n_ubatch=self.n_tokens, n_seq_max=self.max_texts,
@@ -123,7 +128,7 @@ class Embedder:
         pack: list[list[int]] = []
         filled = 0
         for tokens in token_lists:
-            if pack and (filled + len(tokens) > self.n_tokens or len(pack) == self.max_texts):
+            if pack and (filled + len(tokens) > self.pack_tokens or len(pack) == self.max_texts):
                 yield from self._decode(pack)
                 pack, filled = [], 0
             pack.append(tokens)
