@@ -70,7 +70,7 @@ class RequestRunner:
         exhausted = False
         while True:
             self._act_on_signals()
-            while not (exhausted or self._stopping) and self._n_open_sequences < self.window:
+            while not (exhausted or self._stopping) and self._n_open_sequences < self.window and not self._pack_waiting:
                 item = next(requests, None)
                 if item is None:
                     exhausted = True
@@ -136,8 +136,8 @@ class RequestRunner:
             self._open[seq.uid] = req
 
     def _submit_embedding(self, request: JobRequest) -> Iterator[Outcome]:
-        """Tokenize the request's texts (one refused fails the request alone) and hold them until a
-        decode's worth is waiting: texts of many requests share each decode."""
+        """Tokenize the request's texts (one refused fails the request alone) and hold them: texts
+        of many requests share each decode."""
         try:
             if self.embedding.one_per_line and not request.embedding.single:
                 raise LlamabatchError("a .parquet or .npy output holds one vector a line: give one text in 'input'")
@@ -145,11 +145,14 @@ class RequestRunner:
         except LlamabatchError as e:
             yield self._failure(request, str(e), 400)
             return
-        n_tokens = sum(map(len, tokens))
-        if self._to_embed and self._to_embed_tokens + n_tokens > self.engine.embedder(self.embedding.pooling).n_tokens:
-            yield from self._embed()  # a full decode's worth: this request starts the next
         self._to_embed.append((request, tokens))
-        self._to_embed_tokens += n_tokens
+        self._to_embed_tokens += sum(map(len, tokens))
+
+    @property
+    def _pack_waiting(self) -> bool:
+        """Enough texts wait to fill the embedding context: admit no more until they are pooled
+        (and signals and generation steps have had their turn)."""
+        return bool(self._to_embed) and self._to_embed_tokens >= self.engine.embedder(self.embedding.pooling).n_tokens
 
     def _embed(self) -> Iterator[Outcome]:
         waiting, self._to_embed, self._to_embed_tokens = self._to_embed, [], 0
