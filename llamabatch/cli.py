@@ -287,10 +287,16 @@ def batch(
                 job.on_progress = progress.update
                 summary = job.run()
         described = {"model": engine.model_name, "parallel": engine.config.n_parallel}
+    _report_job(context, job, summary, described, json_out, display.batch_summary)
+
+
+def _report_job(context: typer.Context, job, summary, described: dict, json_out: bool, table) -> None:
+    """A job's summary (a table, or one JSON line), then its exit: 1 when the engine broke or a
+    line failed, 130/143 when a signal stopped it, each with how to resume."""
     if json_out:
         display.json_line({"summary": {**described, **summary.to_dict()}})
     else:
-        display.batch_summary(summary, job.output, job.errors)
+        table(summary, job.output, job.errors)
     if summary.broken:
         display.error_line(
             f"the job stopped: {summary.broken}. What finished is written; once the cause is fixed, resume "
@@ -329,30 +335,27 @@ def embed(
 ) -> None:
     """Embed a file of texts of any size, many texts a decode; a rerun resumes."""
     from .embeddings_format import EmbedSettings
-    from .engine.embedding import Pooling
     from .jobs.batch_job import BatchJob, stop_on_signals
 
-    if pooling is not None and pooling not in ("mean", "cls", "last"):
-        raise LlamabatchError(f"--pooling must be mean, cls or last, got {pooling!r} (rerankers score pairs: serve /v1/rerank)")
-    settings = EmbedSettings(Pooling(pooling) if pooling else None, normalize, dimensions, truncate)
+    settings = EmbedSettings(_pooling(pooling), normalize, dimensions, truncate)
     # The generation context is not used: one small slot.
     engine_options = {**EngineOptions.of(context.params).engine_kwargs(), "n_parallel": 1, "n_ctx": 256}
     with BatchEngine(**engine_options) as engine:
         job = BatchJob(engine, input, output, errors=errors, retry_errors=retry_errors, overwrite=overwrite, embed=settings)
-        with stop_on_signals(job), display.BatchProgress(job.summary) as progress:
+        with stop_on_signals(job), display.BatchProgress(job.summary, tokens="embedded") as progress:
             job.on_progress = progress.update
             summary = job.run()
         described = {"model": engine.model_name, "pooling": engine.embedder(settings.pooling).pooling.value}
-    if json_out:
-        display.json_line({"summary": {**described, **summary.to_dict()}})
-    else:
-        display.embed_summary(summary, job.output, job.errors)
-    if not summary.complete:
-        display.error_line(f"stopped by {summary.stopped_by or summary.broken}: resume with: {_command_line(context, drop={'overwrite'})}")
-        raise typer.Exit(1 if summary.broken else 130 if summary.stopped_by == "SIGINT" else 143)
-    if summary.failed:
-        display.error_line(f"{summary.failed} lines failed: see {job.errors}")
-        raise typer.Exit(1)
+    _report_job(context, job, summary, described, json_out, display.embed_summary)
+
+
+def _pooling(text: str | None):
+    """--pooling: mean, cls or last; None leaves the GGUF's choice (a reranker's rank is only its GGUF's)."""
+    from .engine.embedding import Pooling
+
+    if text is not None and text not in ("mean", "cls", "last"):
+        raise LlamabatchError(f"--pooling must be mean, cls or last, got {text!r} (rerankers score pairs: serve /v1/rerank)")
+    return Pooling(text) if text else None
 
 
 def _replicas(text: str | None) -> int | str:
@@ -617,10 +620,8 @@ def serve(
     for name in (model, draft_model) if draft_model else (model,):  # an unknown model or a missing file fails here, not in a thread
         Catalog.load(config).resolve(name).gguf_path()
     engine = EngineOptions.of(context.params).engine_kwargs()
-    if pooling is not None and pooling not in ("mean", "cls", "last"):
-        raise LlamabatchError(f"--pooling must be mean, cls or last, got {pooling!r} (a reranker's rank pooling is its GGUF's)")
     settings = ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout,
-                              pooling=pooling)
+                              pooling=_pooling(pooling))
     if replicas is not None:
         _serve_replicas(settings, _replicas(replicas), ray or "local", host, port)
         return

@@ -66,8 +66,9 @@ class BatchProgress:
     tokens/s of this run, and the time left. A live bar on a terminal; in a log file, one plain
     line every `every_s` seconds and at the end."""
 
-    def __init__(self, summary, every_s: float = 10.0) -> None:
+    def __init__(self, summary, every_s: float = 10.0, tokens: str = "generated") -> None:
         self.summary = summary
+        self.tokens = tokens  # "generated" (completion tokens) or "embedded" (prompt tokens) a second
         self.every_s = every_s
         self.started = self.printed = time.perf_counter()
         self.bar = Progress(
@@ -103,7 +104,7 @@ class BatchProgress:
         s, elapsed = self.summary, max(time.perf_counter() - self.started, 1e-9)
         rate = (s.done + s.failed) / elapsed
         done = f"{self._processed:,}" + (f"/{s.total:,}" if s.total is not None else "")
-        tokens = s.completion_tokens or s.prompt_tokens  # an embedding job generates none: what it embeds
+        tokens = s.prompt_tokens if self.tokens == "embedded" else s.completion_tokens
         text = f"{done} requests · {rate:,.1f} req/s · {tokens / elapsed:,.0f} tok/s"
         if s.total is not None and rate > 0:
             text += f" · ETA {_duration((s.total - self._processed) / rate)}"
@@ -113,9 +114,8 @@ class BatchProgress:
 def embed_summary(summary, output, errors) -> None:
     """`llamabatch embed`: what this run did, and where its vectors went."""
     s = summary
-    table = Table(title="embed summary", show_header=False, title_justify="left", box=None)
-    rows = [
-        ("lines embedded", f"{s.done:,}" + (f" of {s.total:,} in the input" if s.total is not None else "")),
+    _key_values("embed summary", [
+        ("lines embedded", _of_total(s)),
         ("already done (skipped)", f"{s.skipped:,}"),
         ("failed", f"{s.failed:,}"),
         ("tokens embedded", f"{s.prompt_tokens:,}"),
@@ -123,7 +123,15 @@ def embed_summary(summary, output, errors) -> None:
         ("tokens/s", f"{s.prompt_tokens / s.wall_s if s.wall_s > 0 else 0:,.1f}"),
         ("output", str(output)),
         ("errors", str(errors)),
-    ]
+    ])
+
+
+def _of_total(s) -> str:
+    return f"{s.done:,}" + (f" of {s.total:,} in the input" if s.total is not None else "")
+
+
+def _key_values(title: str, rows: list[tuple[str, str]]) -> None:
+    table = Table(title=title, show_header=False, title_justify="left", box=None)
     for key, value in rows:
         table.add_row(key, escape(value))
     out.print(table)
@@ -132,9 +140,8 @@ def embed_summary(summary, output, errors) -> None:
 def batch_summary(summary, output, errors) -> None:
     """`llamabatch batch`: what this run did, and where its lines went."""
     s = summary
-    table = Table(title="batch summary", show_header=False, title_justify="left", box=None)
-    rows = [
-        ("requests done", f"{s.done:,}" + (f" of {s.total:,} in the input" if s.total is not None else "")),
+    _key_values("batch summary", [
+        ("requests done", _of_total(s)),
         ("already done (skipped)", f"{s.skipped:,}"),
         ("failed", f"{s.failed:,}"),
         ("structured outputs cut short", f"{s.incomplete:,}"),
@@ -146,10 +153,7 @@ def batch_summary(summary, output, errors) -> None:
         ("tokens/s", f"{s.tokens_per_s:,.1f}"),
         ("output", str(output)),
         ("errors", str(errors)),
-    ]
-    for key, value in rows:
-        table.add_row(key, escape(value))
-    out.print(table)
+    ])
 
 
 def _duration(seconds: float) -> str:

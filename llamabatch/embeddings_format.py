@@ -80,24 +80,27 @@ def embedding_tokens(
 ) -> list[list[int]]:
     """The tokens each input embeds as; PromptError for an empty or too long one (the request fails)."""
     embedder = engine.embedder(pooling)
-    truncate = body.truncate or truncate
     if embedder.pooling is Pooling.RANK:
         raise LlamabatchError(f"{engine.model_name} is a reranker (rank pooling): it scores pairs on /v1/rerank, it does not embed")
-    return [_numbered(i, len(body.inputs()), lambda: embedder.tokens(text, truncate)) for i, text in enumerate(body.inputs())]
+    truncate = body.truncate or truncate
+    return _each(body.inputs(), lambda text: embedder.tokens(text, truncate))
 
 
 def rerank_tokens(engine: BatchEngine, body: RerankRequest) -> list[list[int]]:
     """The tokens each (query, document) pair is scored as; a model without a rank head is refused."""
     embedder = engine.embedder(Pooling.RANK)
-    return [_numbered(i, len(body.documents), lambda: embedder.pair_tokens(body.query, doc, body.truncate))
-            for i, doc in enumerate(body.documents)]
+    return _each(body.documents, lambda doc: embedder.pair_tokens(body.query, doc, body.truncate))
 
 
-def _numbered(i: int, n: int, tokens):
-    try:
-        return tokens()
-    except LlamabatchError as e:
-        raise type(e)(f"input {i}: {e}" if n > 1 else str(e)) from None
+def _each(items: list, tokens) -> list[list[int]]:
+    """tokens(item) for each item; a refusal names the item's index when there are several."""
+    lists = []
+    for i, item in enumerate(items):
+        try:
+            lists.append(tokens(item))
+        except LlamabatchError as e:
+            raise type(e)(f"input {i}: {e}" if len(items) > 1 else str(e)) from None
+    return lists
 
 
 def embeddings_body(

@@ -123,6 +123,12 @@ class Embedder:
         """Pooled outputs (one row per text, float32), as many texts per decode as fit."""
         return np.stack(list(self.stream(token_lists))) if token_lists else np.zeros((0, self.dim), np.float32)
 
+    def embed_groups(self, groups: list[list[list[int]]]) -> list[np.ndarray]:
+        """Each group's rows (a request's texts), the texts of all groups packed together."""
+        rows = self.embed([tokens for group in groups for tokens in group])
+        ends = np.cumsum([len(group) for group in groups])
+        return np.split(rows, ends[:-1]) if groups else []
+
     def stream(self, token_lists: Iterable[list[int]]) -> Iterator[np.ndarray]:
         """Each text's pooled output, in order, packing texts lazily into decodes."""
         pack: list[list[int]] = []

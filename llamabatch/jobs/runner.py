@@ -157,22 +157,19 @@ class RequestRunner:
     def _embed(self) -> Iterator[Outcome]:
         waiting, self._to_embed, self._to_embed_tokens = self._to_embed, [], 0
         try:
-            rows = self.engine.embedder(self.embedding.pooling).embed([t for _, lists in waiting for t in lists])
+            answers = self.engine.embedder(self.embedding.pooling).embed_groups([lists for _, lists in waiting])
         except LlamabatchError as e:  # the decode failed: the requests it carried fail (500, as the server's)
             for request, _ in waiting:
                 yield self._failure(request, str(e), 500)
             return
-        start = 0
-        for request, lists in waiting:
+        for (request, lists), rows in zip(waiting, answers):
             n_tokens = sum(map(len, lists))
             try:
-                record = embedding_record(self.format, request, rows[start:start + len(lists)], n_tokens,
-                                          self.engine.model_name, self.embedding)
+                record = embedding_record(self.format, request, rows, n_tokens, self.engine.model_name, self.embedding)
             except LlamabatchError as e:  # dimensions beyond the model's width
                 yield self._failure(request, str(e), 400)
             else:
                 yield Outcome(request.id, True, record, n_tokens)
-            start += len(lists)
 
     def _finished(self, uid: int) -> Iterator[Outcome]:
         req = self._open.pop(uid, None)

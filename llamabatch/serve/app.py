@@ -43,7 +43,7 @@ class ServerSettings:
     api_key: str | None = None
     max_queue: int = 256  # sequences waiting for a slot before requests get 429
     request_timeout: float = 600.0  # seconds until a request is cancelled and answered 504
-    pooling: str | None = None  # /v1/embeddings: the GGUF's pooling, else mean, unless set
+    pooling: Pooling | None = None  # /v1/embeddings: the GGUF's pooling, else mean, unless set
 
 # -- the app -----------------------------------------------------------------------------
 
@@ -120,7 +120,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/embeddings", dependencies=[Depends(authorized)], responses=_errors(400, 401, 500, 503, 504))
     async def embeddings(body: EmbeddingRequest) -> dict:
-        pooling = None if settings.pooling is None else Pooling(settings.pooling)
+        pooling = settings.pooling
         rows, n_tokens = await _pool(worker, lambda engine: embedding_tokens(engine, body, pooling), pooling, settings.request_timeout)
         try:
             return embeddings_body(rows, body, _engine(worker).model_name, n_tokens)

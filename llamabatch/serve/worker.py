@@ -227,16 +227,13 @@ class EngineWorker:
             if not taken:
                 continue
             try:
-                rows = self.engine.embedder(pooling).embed([t for _, lists in taken for t in lists])
+                answers = self.engine.embedder(pooling).embed_groups([lists for _, lists in taken])
             except Exception as e:  # noqa: BLE001 - the decode failed: the requests it carried hear why
                 for request, _ in taken:
                     request.loop.call_soon_threadsafe(_resolve, request.done, e)
                 continue
-            start = 0
-            for request, lists in taken:
-                answer = (rows[start:start + len(lists)], sum(map(len, lists)))
-                start += len(lists)
-                request.loop.call_soon_threadsafe(_resolve, request.done, None, answer)
+            for (request, lists), rows in zip(taken, answers):
+                request.loop.call_soon_threadsafe(_resolve, request.done, None, (rows, sum(map(len, lists))))
 
     def _step(self) -> None:
         slots_before = self.engine.stats.sequence_slots
