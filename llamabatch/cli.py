@@ -59,6 +59,7 @@ DraftModelOpt = Annotated[
     Optional[str], typer.Option("--draft-model", metavar="NAME|PATH", help="A smaller model with the same vocabulary that drafts tokens (turns on --speculative draft).")
 ]
 DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Most draft tokens per sequence and step (15).")]
+EmbedPackOpt = Annotated[Optional[int], typer.Option("--embed-pack", help="Tokens packed into one embedding decode (256; 2048 gives llama-embedding's own vectors).")]
 ReplicasOpt = Annotated[Optional[str], typer.Option("--replicas", metavar="N|auto", help="Engines, on Ray: a number, or 'auto' (one per GPU, else one per node).")]
 SharePrefixesOpt = Annotated[
     Optional[bool], typer.Option("--share-prefixes/--no-share-prefixes", help="Copy common prompt prefixes' KV instead of decoding them again.")
@@ -249,6 +250,7 @@ def batch(
     kv_unified: KvUnifiedOpt = None,
     share_prefixes: SharePrefixesOpt = None,
     deterministic: DeterministicOpt = None,
+    embed_pack: EmbedPackOpt = None,
     speculative: SpeculativeOpt = None,
     draft_model: DraftModelOpt = None,
     draft_max: DraftMaxOpt = None,
@@ -278,7 +280,7 @@ def batch(
     if ray is not None:
         summary, job = _batch_on_ray(ray, _replicas(replicas), engine_options, input, output, errors, base, retry_errors,
                                      overwrite, incomplete_errors)
-        described = {"model": job.settings["model"], "replicas": replicas or "1", "ray": ray}
+        described = {"model": job.settings["model"], "replicas": replicas or "1", "ray": ray, **summary.to_dict()}
     else:
         with BatchEngine(**engine_options) as engine:
             job = BatchJob(engine, input, output, errors=errors, base=base, retry_errors=retry_errors, overwrite=overwrite,
@@ -286,15 +288,15 @@ def batch(
             with stop_on_signals(job), display.BatchProgress(job.summary) as progress:
                 job.on_progress = progress.update
                 summary = job.run()
-        described = {"model": engine.model_name, "parallel": engine.config.n_parallel}
+        described = {"model": engine.model_name, "parallel": engine.config.n_parallel, **summary.to_dict()}
     _report_job(context, job, summary, described, json_out, display.batch_summary)
 
 
 def _report_job(context: typer.Context, job, summary, described: dict, json_out: bool, table) -> None:
-    """A job's summary (a table, or one JSON line), then its exit: 1 when the engine broke or a
-    line failed, 130/143 when a signal stopped it, each with how to resume."""
+    """A job's summary (a table, or one JSON line: `described` then the counts), then its exit: 1
+    when the engine broke or a line failed, 130/143 when a signal stopped it, each with how to resume."""
     if json_out:
-        display.json_line({"summary": {**described, **summary.to_dict()}})
+        display.json_line({"summary": described})
     else:
         table(summary, job.output, job.errors)
     if summary.broken:
@@ -314,7 +316,7 @@ def _report_job(context: typer.Context, job, summary, described: dict, json_out:
         raise typer.Exit(1)
 
 
-@app.command()
+@command
 def embed(
     context: typer.Context,
     input: Annotated[str, typer.Argument(help="Texts: one a line, JSONL {\"input\", ...}, or OpenAI batch lines for /v1/embeddings; '-' = stdin; .gz read as is.")],
@@ -322,10 +324,12 @@ def embed(
     errors: Annotated[Optional[Path], typer.Option("--errors", help="Failed lines (default: OUTPUT.errors.jsonl).")] = None,
     retry_errors: Annotated[bool, typer.Option("--retry-errors", help="Embed the lines in the error file again.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start afresh instead of resuming.")] = False,
-    pooling: Annotated[Optional[str], typer.Option(help="mean, cls or last (default: the GGUF's, else mean).")] = None,
+    pooling: Annotated[Optional[str], typer.Option(help="mean, cls, last, or none: a vector per token, .jsonl only (default: the GGUF's, else mean).")] = None,
     normalize: Annotated[bool, typer.Option("--normalize/--no-normalize", help="Unit-length vectors.")] = True,
     dimensions: Annotated[Optional[int], typer.Option(help="Keep the first N dimensions (Matryoshka models), then normalize.")] = None,
     truncate: Annotated[bool, typer.Option("--truncate", help="Cut texts longer than an embedding takes instead of failing them.")] = False,
+    embed_pack: EmbedPackOpt = None,
+    deterministic: DeterministicOpt = None,
     model: ModelOpt = None,
     config: CatalogOpt = None,
     threads: ThreadsOpt = None,
@@ -337,7 +341,7 @@ def embed(
     from .embeddings_format import EmbedSettings
     from .jobs.batch_job import BatchJob, stop_on_signals
 
-    settings = EmbedSettings(_pooling(pooling), normalize, dimensions, truncate)
+    settings = EmbedSettings(_pooling(pooling, per_token=True), normalize, dimensions, truncate)
     # The generation context is not used: one small slot.
     engine_options = {**EngineOptions.of(context.params).engine_kwargs(), "n_parallel": 1, "n_ctx": 256}
     with BatchEngine(**engine_options) as engine:
@@ -345,16 +349,19 @@ def embed(
         with stop_on_signals(job), display.BatchProgress(job.summary, tokens="embedded") as progress:
             job.on_progress = progress.update
             summary = job.run()
-        described = {"model": engine.model_name, "pooling": engine.embedder(settings.pooling).pooling.value}
+        described = {"model": engine.model_name, "pooling": engine.embedder(settings.pooling).pooling.value, **summary.embed_dict()}
     _report_job(context, job, summary, described, json_out, display.embed_summary)
 
 
-def _pooling(text: str | None):
-    """--pooling: mean, cls or last; None leaves the GGUF's choice (a reranker's rank is only its GGUF's)."""
+def _pooling(text: str | None, per_token: bool = False):
+    """--pooling: mean, cls or last, and where a line may hold a vector per token (`embed`) none;
+    None leaves the GGUF's choice (a reranker's rank is only its GGUF's)."""
     from .engine.embedding import Pooling
 
-    if text is not None and text not in ("mean", "cls", "last"):
-        raise LlamabatchError(f"--pooling must be mean, cls or last, got {text!r} (rerankers score pairs: serve /v1/rerank)")
+    allowed = ("mean", "cls", "last", "none") if per_token else ("mean", "cls", "last")
+    if text is not None and text not in allowed:
+        hint = "" if per_token or text != "none" else "; per-token vectors: llamabatch embed --pooling none"
+        raise LlamabatchError(f"--pooling must be {', '.join(allowed)}, got {text!r} (rerankers score pairs: serve /v1/rerank){hint}")
     return Pooling(text) if text else None
 
 
@@ -591,9 +598,10 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
-    max_queue: Annotated[int, typer.Option(help="Sequences that may wait for a slot; beyond, requests get 429.")] = 256,
+    max_queue: Annotated[int, typer.Option(help="Sequences (and embedding requests) that may wait; beyond, requests get 429.")] = 256,
     request_timeout: Annotated[float, typer.Option(help="Seconds before a request is cancelled (504).")] = 600.0,
     pooling: Annotated[Optional[str], typer.Option(help="/v1/embeddings: mean, cls or last (default: the GGUF's, else mean).")] = None,
+    embed_pack: EmbedPackOpt = None,
     batch_size: BatchOpt = None,
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,

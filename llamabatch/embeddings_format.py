@@ -104,10 +104,12 @@ def _each(items: list, tokens) -> list[list[int]]:
 
 
 def embeddings_body(
-    vectors: np.ndarray, body: EmbeddingRequest, model: str, prompt_tokens: int, settings: EmbedSettings = EmbedSettings(),
+    outputs: list[np.ndarray], body: EmbeddingRequest, model: str, prompt_tokens: int, settings: EmbedSettings = EmbedSettings(),
 ) -> dict:
-    """OpenAI's answer: unit vectors (cut to `dimensions` first), as floats or base64 float32."""
-    vectors = finish(vectors, settings.normalize, body.dimensions or settings.dimensions)
+    """OpenAI's answer: an input's unit vector (cut to `dimensions` first; under pooling none, a
+    list of them, one per token, as llama-server's /embeddings answers), as floats or base64 float32."""
+    dimensions = body.dimensions or settings.dimensions
+    vectors = [finish(output, settings.normalize, dimensions) for output in outputs]
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)} for i, v in enumerate(vectors)]
     return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
@@ -117,7 +119,7 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
     return base64.b64encode(vector.astype("<f4").tobytes()).decode() if encoding == "base64" else vector.tolist()
 
 
-def rerank_body(scores: np.ndarray, body: RerankRequest, model: str, prompt_tokens: int) -> dict:
+def rerank_body(scores: list[float], body: RerankRequest, model: str, prompt_tokens: int) -> dict:
     """The documents by relevance, best first (the first label's score: "yes" for Qwen3 rerankers)."""
     order = sorted(range(len(scores)), key=lambda i: -float(scores[i]))[: body.top_n]
     results = [{"index": i, "relevance_score": float(scores[i]),

@@ -3,10 +3,12 @@
   python scripts/bench_embeddings.py --model gemma3-270m --texts 2000
   python scripts/bench_embeddings.py --model tiny.gguf --texts 20000 --skip-server --skip-llama-cpp-python
 
-Prints: cosine agreement with `llama-embedding` (scripts/build_native.sh builds it), and
+Prints: cosine agreement with `llama-embedding` (scripts/build_native.sh builds it) at its
+packing and at llamabatch's default one, beside llama.cpp's own spread between two packings, and
 embedded tokens/s of `llamabatch embed` against `llama-embedding` on the same file (whole
 commands, model load included, alternating, median of paired ratios), of `llamabatch serve`
-against `llama-server --embeddings` under 16 concurrent clients (one text a request), and of
+against `llama-server --embeddings` under 16 concurrent clients (one text a request; alternating,
+median of paired ratios), and of
 BatchEngine.embed against one-by-one `Llama.embed` from llama-cpp-python. Every side uses
 mean pooling, unit vectors and one 2048-token batch (-c/-b/-ub 2048: llama.cpp pools per
 micro-batch, so a text must fit one).
@@ -48,9 +50,10 @@ def native_bin(tool: str) -> str:
     return os.path.join(folder, tool)
 
 
-def llama_embedding(gguf: Path, source: Path, threads: int, output_format: str = "") -> tuple[float, str]:
-    cmd = [native_bin("llama-embedding"), "-m", str(gguf), "-f", str(source), "--pooling", "mean", "-c", str(TOKENS),
-           "-b", str(TOKENS), "-ub", str(TOKENS), "-t", str(threads), "--embd-normalize", "2"]
+def llama_embedding(gguf: Path, source: Path, threads: int, output_format: str = "", tokens: int = TOKENS) -> tuple[float, str]:
+    """llama-embedding packs texts into decodes of its whole context (-c): `tokens`."""
+    cmd = [native_bin("llama-embedding"), "-m", str(gguf), "-f", str(source), "--pooling", "mean", "-c", str(tokens),
+           "-b", str(tokens), "-ub", str(tokens), "-t", str(threads), "--embd-normalize", "2"]
     if output_format:
         cmd += ["--embd-output-format", output_format]
     started = time.perf_counter()
@@ -65,22 +68,39 @@ def llamabatch_embed(gguf: Path, source: Path, threads: int, out: Path) -> float
     return time.perf_counter() - started
 
 
-def agreement(gguf: Path, corpus: list[str], threads: int, work: Path) -> tuple[float, float]:
-    source = work / "agree.txt"
-    source.write_text("\n".join(corpus))
+def native_vectors(gguf: Path, source: Path, threads: int, tokens: int = TOKENS) -> np.ndarray:
     for attempt in range(3):  # llama.cpp's log thread now and then breaks into the JSON it prints
-        _, stdout = llama_embedding(gguf, source, threads, "json")
+        _, stdout = llama_embedding(gguf, source, threads, "json", tokens)
         try:
-            native = np.array([d["embedding"] for d in json.loads(stdout[stdout.index("{"):])["data"]], dtype=np.float32)
-            break
+            return np.array([d["embedding"] for d in json.loads(stdout[stdout.index("{"):])["data"]], dtype=np.float32)
         except json.JSONDecodeError:
             print(f"  llama-embedding's JSON did not parse (attempt {attempt + 1}); again")
-    else:
-        raise RuntimeError("llama-embedding's JSON output did not parse three times")
+    raise RuntimeError("llama-embedding's JSON output did not parse three times")
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> str:
+    c = (a * b).sum(axis=1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    return f"min {c.min():.6f}, mean {c.mean():.6f}"
+
+
+def agreement(gguf: Path, corpus: list[str], threads: int, work: Path) -> None:
+    """llama.cpp's vectors move with how texts are packed into decodes (its kernels round by the
+    rows they get): compared at llama-embedding's packing, at llamabatch's default, and llama.cpp
+    against itself at two packings."""
     with BatchEngine(gguf, n_parallel=1, n_ctx=256, n_threads=threads) as engine:
-        ours = engine.embed(corpus, pooling="mean")
-    cosines = (native * ours).sum(axis=1) / np.linalg.norm(native, axis=1) / np.linalg.norm(ours, axis=1)
-    return float(cosines.min()), float(cosines.mean())
+        default = engine.config.embed_pack
+        # llama-embedding -c 256 takes no text longer than that
+        corpus = [t for t in corpus if len(engine.vocab.tokenize(t)) <= default]
+        source = work / "agree.txt"
+        source.write_text("\n".join(corpus))
+        native = native_vectors(gguf, source, threads)
+        print(f"  {len(corpus)} texts of at most {default} tokens")
+        print(f"  llamabatch default (--embed-pack {default}) vs llama-embedding -c {TOKENS}: "
+              f"{cosines(engine.embed(corpus, pooling='mean'), native)}")
+    with BatchEngine(gguf, n_parallel=1, n_ctx=256, n_threads=threads, embed_pack=TOKENS) as engine:
+        print(f"  llamabatch --embed-pack {TOKENS} vs llama-embedding -c {TOKENS}: {cosines(engine.embed(corpus, pooling='mean'), native)}")
+    print(f"  llama.cpp's own spread, llama-embedding -c {default} vs -c {TOKENS}: "
+          f"{cosines(native_vectors(gguf, source, threads, default), native)}")
 
 
 def free_port() -> int:
@@ -118,14 +138,17 @@ def server_rate(cmd: list[str], port: int, corpus: list[str], clients: int) -> f
         process.wait()
 
 
-def servers(gguf: Path, corpus: list[str], threads: int, clients: int) -> tuple[float, float]:
+def servers(gguf: Path, corpus: list[str], threads: int, clients: int, native_first: bool) -> tuple[float, float]:
     port = free_port()
     native = [native_bin("llama-server"), "-m", str(gguf), "--embeddings", "--pooling", "mean", "-c", str(TOKENS * clients),
               "-b", str(TOKENS), "-ub", str(TOKENS), "-np", str(clients), "-t", str(threads), "--port", str(port)]
     port2 = free_port()
     ours = [sys.executable, "-m", "llamabatch.cli", "serve", "-m", str(gguf), "--parallel", "1", "--ctx", "256",
             "-t", str(threads), "--pooling", "mean", "--port", str(port2)]
-    return server_rate(native, port, corpus, clients), server_rate(ours, port2, corpus, clients)
+    if native_first:
+        return server_rate(native, port, corpus, clients), server_rate(ours, port2, corpus, clients)
+    ours_s = server_rate(ours, port2, corpus, clients)
+    return server_rate(native, port, corpus, clients), ours_s
 
 
 def one_by_one(gguf: Path, corpus: list[str], threads: int) -> tuple[float, float]:
@@ -164,8 +187,8 @@ def main() -> None:
           f"model {gguf.name}; {args.texts} texts, {n_tokens} tokens")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        low, mean = agreement(gguf, corpus[: args.agree_texts], args.threads, work)
-        print(f"cosine with llama-embedding over {args.agree_texts} texts: min {low:.6f}, mean {mean:.6f}")
+        print(f"cosine, over the first {args.agree_texts} texts:")
+        agreement(gguf, corpus[: args.agree_texts], args.threads, work)
         source = work / "corpus.txt"
         source.write_text("\n".join(corpus))
         ratios = []
@@ -178,9 +201,14 @@ def main() -> None:
         print(f"llamabatch embed / llama-embedding (whole commands, median of {args.pairs}): {statistics.median(ratios):.3f}x "
               f"(spread {min(ratios):.3f}-{max(ratios):.3f})")
         if not args.skip_server:
-            native, ours = servers(gguf, corpus, args.threads, args.clients)
-            print(f"servers, {args.clients} clients: llama-server {n_tokens / native:,.0f} tok/s, "
-                  f"llamabatch serve {n_tokens / ours:,.0f} tok/s: {native / ours:.3f}x")
+            ratios = []
+            for pair in range(args.pairs):
+                native, ours = servers(gguf, corpus, args.threads, args.clients, native_first=pair % 2 == 0)
+                ratios.append(native / ours)
+                print(f"  llama-server {n_tokens / native:,.0f} tok/s, llamabatch serve {n_tokens / ours:,.0f} tok/s: "
+                      f"{native / ours:.3f}x")
+            print(f"llamabatch serve / llama-server, {args.clients} clients (median of {args.pairs}): "
+                  f"{statistics.median(ratios):.3f}x (spread {min(ratios):.3f}-{max(ratios):.3f})")
         if not args.skip_llama_cpp_python:
             theirs, ours = one_by_one(gguf, corpus, args.threads)
             print(f"Llama.embed one by one {n_tokens / theirs:,.0f} tok/s, BatchEngine.embed {n_tokens / ours:,.0f} tok/s: "

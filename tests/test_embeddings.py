@@ -21,6 +21,7 @@ import pytest
 
 from llamabatch import BatchEngine
 from llamabatch.errors import ConfigError, PromptError
+from llamabatch.jobs.vectors import ParquetParts, write_npy
 from tiny_model import BOS, write_tiny_model
 
 TEXTS = ["the capital of France", "hello world", "def fib(n):", "Paris is the capital", "Once upon a time", "the"]
@@ -73,6 +74,49 @@ def test_each_pooling_pools_what_it_names(engine):
     np.testing.assert_allclose(bos_last[0], cls[0], atol=1e-5)
     mean, last = engine.embed(TEXTS[:1], pooling="mean"), engine.embed(TEXTS[:1], pooling="last")
     assert np.abs(mean - last).max() > 1e-2
+
+
+def test_pooling_none_gives_each_token_the_vector_the_poolings_are_made_of(engine, tiny_model, tmp_path):
+    matrices = engine.token_embeddings(TEXTS[:3], normalize=False)
+    assert [m.shape for m in matrices] == [(len(engine.vocab.tokenize(t)), 64) for t in TEXTS[:3]]
+    np.testing.assert_allclose([m.mean(axis=0) for m in matrices], engine.embed(TEXTS[:3], pooling="mean", normalize=False), atol=1e-4)
+    np.testing.assert_allclose([m[-1] for m in matrices], engine.embed(TEXTS[:3], pooling="last", normalize=False), atol=1e-4)
+    with pytest.raises(ConfigError, match="use token_embeddings"):
+        engine.embed(TEXTS[:1], pooling="none")
+    source = tmp_path / "texts.txt"
+    source.write_text("\n".join(TEXTS[:3]) + "\n")
+    done = run_cli("embed", str(source), "-o", str(tmp_path / "out.jsonl"), "-m", str(tiny_model), "--pooling", "none")
+    assert done.returncode == 0, done.stderr
+    rows = [np.array(json.loads(line)["embedding"]) for line in (tmp_path / "out.jsonl").open()]
+    assert sorted(r.shape[0] for r in rows) == sorted(m.shape[0] for m in matrices)
+    np.testing.assert_allclose(np.linalg.norm(rows[0], axis=1), 1.0, atol=1e-5)  # each token's vector, unit length
+    refused = run_cli("embed", str(source), "-o", str(tmp_path / "out.npy"), "-m", str(tiny_model), "--pooling", "none")
+    assert refused.returncode == 1 and "a vector per token, not a row per line: write .jsonl" in refused.stderr
+
+
+def test_pack_size_and_deterministic_mode_change_decodes_not_vectors(tiny_model, engine):
+    before = engine.embedder().decodes
+    expected = engine.embed(TEXTS)
+    assert engine.embedder().decodes == before + 1  # 256 tokens a decode: all six texts
+    with BatchEngine(tiny_model, n_parallel=1, n_ctx=256, n_threads=2, embed_pack=8) as small_packs:
+        np.testing.assert_allclose(small_packs.embed(TEXTS), expected, atol=1e-4)
+        assert small_packs.embedder().decodes >= 4  # 8 tokens a decode: a text or two each
+    # Deterministic: each text decodes alone, so its vector cannot depend on what it was sent with.
+    # (A process of its own: deterministic mode sets ggml's kernels before anything decodes.)
+    script = (
+        "import json, sys; from llamabatch import BatchEngine\n"
+        f"with BatchEngine({str(tiny_model)!r}, n_parallel=1, n_ctx=512, n_threads=2, deterministic=True) as e:\n"
+        f"    together = e.embed({TEXTS!r}); decodes = e.embedder().decodes\n"
+        f"    alone = e.embed([{TEXTS[2]!r}])[0]\n"
+        "    print(json.dumps([together.tolist(), decodes, alone.tolist()]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    together, decodes, alone = json.loads(done.stdout.splitlines()[-1])
+    assert decodes == len(TEXTS) and together[2] == alone
+    np.testing.assert_allclose(together, expected, atol=1e-4)
+    with pytest.raises(ConfigError, match="--embed-pack must be >= 1"):
+        BatchEngine(tiny_model, n_parallel=1, n_ctx=256, embed_pack=0)
 
 
 def test_bad_inputs_are_refused_by_name(engine, tiny_model):
@@ -145,6 +189,21 @@ def test_bad_embedding_requests_get_a_400_naming_the_problem(base):
     assert httpx.post(f"{base}/v1/embeddings", json={"input": "e t " * 1500, "truncate": True}, timeout=60).status_code == 200
     no_head = httpx.post(f"{base}/v1/rerank", json={"query": "q", "documents": ["d"]}, timeout=60)
     assert no_head.status_code == 400 and "no rank head" in no_head.json()["error"]["message"]
+
+
+def test_embedding_requests_count_in_the_queue_limit(serve):
+    """--max-queue bounds embedding requests too: beyond it a 429 with Retry-After, never a lost
+    request or a 500, and the server goes on answering."""
+    url = serve(max_queue=1) + "/v1/embeddings"
+    big = {"input": [f"{' '.join(['the capital of France'] * 30)} {i}" for i in range(150)]}
+    with httpx.Client(timeout=120) as http, ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda _: http.post(url, json=big), range(12)))
+        statuses = [a.status_code for a in answers]
+        assert set(statuses) == {200, 429}, statuses
+        refused = next(a for a in answers if a.status_code == 429)
+        assert refused.headers["retry-after"] == "1" and "--max-queue 1" in refused.json()["error"]["message"]
+        assert all(len(a.json()["data"]) == 150 for a in answers if a.status_code == 200)
+        assert http.post(url, json={"input": "still here"}).status_code == 200
 
 
 def test_rerank_answers_in_llama_server_and_jina_shape(serve, rank_model):
@@ -243,3 +302,20 @@ def test_an_embed_job_killed_mid_run_resumes_and_writes_every_id_once(tiny_model
     summary = json.loads(done.stdout.splitlines()[-1])["summary"]
     ids = pq.read_table(out, columns=["id"]).column("id").to_pylist()
     assert len(ids) == len(set(ids)) == n and summary["skipped"] == parts_at_kill * 2048
+
+
+def test_npy_assembly_puts_rows_of_many_parts_in_input_order(tmp_path):
+    # Rows reach the parts in completion order, not input order: the .npy must undo that.
+    rng = np.random.default_rng(1)
+    n, dim = 5000, 3  # three parts of PART_ROWS
+    vectors = rng.standard_normal((n, dim)).astype(np.float32)
+    parts = ParquetParts(tmp_path / "out.npy.parts")
+    parts.open(fresh=True)
+    for line in rng.permutation(n):
+        parts.write({"id": f"r{line}", "line": int(line), "embedding": vectors[line].tolist(),
+                     "usage": {"prompt_tokens": 1}, "request_digest": "d"})
+    parts.close()
+    assert len(list(parts.path.glob("part-*.parquet"))) == 3
+    assert write_npy(parts.path, tmp_path / "out.npy") == n
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), vectors)
+    assert (tmp_path / "out.ids.txt").read_text().split() == [f"r{i}" for i in range(n)]

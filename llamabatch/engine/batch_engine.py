@@ -14,7 +14,7 @@ from ..catalog import Catalog
 from .config import EngineConfig
 from .constraints import Constraint, Grammars
 from .drafters import DraftModel, Drafter, NgramDrafter
-from .embedding import Embedder, Pooling, finish, model_pooling
+from .embedding import MAX_TEXTS_PER_DECODE, Embedder, Pooling, finish, model_pooling
 from ..errors import ConfigError, ConstraintError, DecodeError, EngineBroken, PromptError, SamplingError
 from .native import KV_FULL, Batch, Context, Model, Vocab, init_backend, use_row_invariant_matmul
 from .results import Event, Result, RunStats, Score
@@ -59,6 +59,7 @@ class BatchEngine:
         speculative: str | None = None,
         draft_model: str | Path | None = None,
         draft_max: int | None = None,
+        embed_pack: int | None = None,
         chat: bool | None = None,
         verbose: bool = False,
     ) -> None:
@@ -68,7 +69,7 @@ class BatchEngine:
             spec, n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
             n_threads=n_threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
             deterministic=deterministic, speculative=speculative, draft_model=None if draft_model is None else str(draft_model),
-            draft_max=draft_max, chat=chat, verbose=verbose,
+            draft_max=draft_max, embed_pack=embed_pack, chat=chat, verbose=verbose,
         )
         draft_path = models.resolve(self.config.draft_model).gguf_path() if self.config.draft_model else None
         self.model_name = spec.name
@@ -338,7 +339,12 @@ class BatchEngine:
         chosen = Pooling(pooling)
         embedder = self._embedders.get(chosen)
         if embedder is None:
-            embedder = self._embedders[chosen] = Embedder(self.model, chosen, n_threads=self.config.n_threads)
+            cfg = self.config
+            # Deterministic: each text decoded alone, so its vector does not depend on the others.
+            embedder = self._embedders[chosen] = Embedder(
+                self.model, chosen, n_threads=cfg.n_threads, pack_tokens=cfg.embed_pack,
+                max_texts=1 if cfg.deterministic else MAX_TEXTS_PER_DECODE,
+            )
         return embedder
 
     def embed(
@@ -350,8 +356,16 @@ class BatchEngine:
         embedder = self.embedder(pooling)
         if embedder.pooling is Pooling.RANK:
             raise ConfigError(f"{self.model_name} is a reranker (rank pooling): use rerank(), it does not embed")
+        if embedder.pooling is Pooling.NONE:
+            raise ConfigError("pooling none gives a vector per token: use token_embeddings()")
         vectors = embedder.embed([embedder.tokens(text, truncate) for text in inputs])
         return finish(vectors, normalize, dimensions)
+
+    def token_embeddings(self, inputs: list[str | list[int]], *, normalize: bool = True, truncate: bool = False) -> list[np.ndarray]:
+        """No pooling: for each input a matrix with a row per token (the last layer's hidden
+        states, as llama.cpp's pooling none gives them), many inputs per decode."""
+        embedder = self.embedder(Pooling.NONE)
+        return [finish(m, normalize) for m in embedder.stream(embedder.tokens(text, truncate) for text in inputs)]
 
     def rerank(self, query: str, documents: list[str], *, truncate: bool = False) -> np.ndarray:
         """Each document's relevance to the query (a reranker's first label: for Qwen3 rerankers

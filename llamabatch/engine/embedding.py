@@ -16,13 +16,10 @@ import llama_cpp
 import numpy as np
 
 from ..errors import ConfigError, PromptError
+from .config import EMBED_PACK_TOKENS
 from .native import Batch, Context, Model
 
 EMBED_TOKENS = 2048  # the longest text an embedding takes by default
-# Tokens packed into one decode. Packed texts are masked from each other, but attention still
-# spans every row of the decode: on the CPU a pack of 256 tokens embedded the tests' tiny model
-# 3x faster than one of 2048 (73k vs 24k tokens/s; Gemma 3 270M, whose matrices dominate, the same).
-PACK_TOKENS = 256
 MAX_TEXTS_PER_DECODE = 64  # sequences per decode: llama.cpp allows 256; 64 short texts already fill a batch
 
 
@@ -33,13 +30,15 @@ class Pooling(str, Enum):
     CLS = "cls"  # the first token's
     LAST = "last"  # the last token's: decoder models trained for embeddings
     RANK = "rank"  # a classifier head's scores: rerankers
+    NONE = "none"  # no pooling: a vector per token (a matrix per text)
 
     @property
     def native(self) -> int:
-        return {"mean": 1, "cls": 2, "last": 3, "rank": 4}[self.value]
+        return {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}[self.value]
 
 
-_FROM_NATIVE = {p.native: p for p in Pooling}
+# A GGUF that says "none" is a plain language model: it gets the default (mean), like one silent.
+_FROM_NATIVE = {p.native: p for p in Pooling if p is not Pooling.NONE}
 
 
 def model_pooling(model: Model) -> Pooling | None:
@@ -58,7 +57,7 @@ class Embedder:
 
     def __init__(
         self, model: Model, pooling: Pooling, *, n_threads: int, n_tokens: int = EMBED_TOKENS,
-        pack_tokens: int = PACK_TOKENS, max_texts: int = MAX_TEXTS_PER_DECODE,
+        pack_tokens: int = EMBED_PACK_TOKENS, max_texts: int = MAX_TEXTS_PER_DECODE,
     ) -> None:
         native_pooling = model_pooling(model)
         if pooling is Pooling.RANK and native_pooling is not Pooling.RANK:
@@ -121,16 +120,18 @@ class Embedder:
 
     def embed(self, token_lists: list[list[int]]) -> np.ndarray:
         """Pooled outputs (one row per text, float32), as many texts per decode as fit."""
+        if self.pooling is Pooling.NONE:
+            raise ConfigError("pooling none gives a matrix per text (a vector per token): use stream() or embed_groups()")
         return np.stack(list(self.stream(token_lists))) if token_lists else np.zeros((0, self.dim), np.float32)
 
-    def embed_groups(self, groups: list[list[list[int]]]) -> list[np.ndarray]:
-        """Each group's rows (a request's texts), the texts of all groups packed together."""
-        rows = self.embed([tokens for group in groups for tokens in group])
-        ends = np.cumsum([len(group) for group in groups])
-        return np.split(rows, ends[:-1]) if groups else []
+    def embed_groups(self, groups: list[list[list[int]]]) -> list[list[np.ndarray]]:
+        """Each group's outputs (a request's texts), the texts of all groups packed together."""
+        outputs = self.stream(tokens for group in groups for tokens in group)
+        return [[next(outputs) for _ in group] for group in groups]
 
     def stream(self, token_lists: Iterable[list[int]]) -> Iterator[np.ndarray]:
-        """Each text's pooled output, in order, packing texts lazily into decodes."""
+        """Each text's output in order (its pooled vector; under pooling none a row per token),
+        packing texts lazily into decodes."""
         pack: list[list[int]] = []
         filled = 0
         for tokens in token_lists:
@@ -149,6 +150,9 @@ class Embedder:
         self.ctx.clear()
         self.ctx.decode(self.batch)
         self.decodes += 1
+        if self.pooling is Pooling.NONE:
+            ends = np.cumsum([len(tokens) for tokens in pack])
+            return np.split(self.ctx.token_embeddings(len(rows), self.dim), ends[:-1])
         return [self.ctx.embedding(seq, self.dim) for seq in range(len(pack))]
 
     def close(self) -> None:
@@ -163,13 +167,14 @@ class Embedder:
 
 
 def finish(vectors: np.ndarray, normalize: bool = True, dimensions: int | None = None) -> np.ndarray:
-    """Vectors as a caller asked for them: cut to their first `dimensions` (Matryoshka models put
-    the most information first), then scaled to unit length (OpenAI's embeddings are)."""
+    """Vectors (the last axis) as a caller asked for them: cut to their first `dimensions`
+    (Matryoshka models put the most information first), then scaled to unit length (OpenAI's
+    embeddings are)."""
     if dimensions is not None:
-        if not 1 <= dimensions <= vectors.shape[1]:
-            raise PromptError(f"dimensions must be between 1 and the model's {vectors.shape[1]}, got {dimensions}")
-        vectors = vectors[:, :dimensions]
+        if not 1 <= dimensions <= vectors.shape[-1]:
+            raise PromptError(f"dimensions must be between 1 and the model's {vectors.shape[-1]}, got {dimensions}")
+        vectors = vectors[..., :dimensions]
     if normalize:
-        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
         vectors = vectors / np.where(norms > 0, norms, 1)
     return np.ascontiguousarray(vectors, dtype=np.float32)

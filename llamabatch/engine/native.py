@@ -336,6 +336,13 @@ class Context(_Owner):
             raise DecodeError(-1, f"no pooled output for sequence {seq_id}")
         return np.ctypeslib.as_array(pointer, shape=(n,)).copy()
 
+    def token_embeddings(self, n_rows: int, n: int) -> np.ndarray:
+        """Every output row of the last decode (no pooling: a vector per token), as (n_rows, n) (a copy)."""
+        pointer = llama_cpp.llama_get_embeddings(self.handle)
+        if not pointer:
+            raise DecodeError(-1, "no token embeddings from the last decode")
+        return np.ctypeslib.as_array(pointer, shape=(n_rows, n)).copy()
+
     def clear(self) -> None:
         """Free every KV cell (an embedding context starts each decode from nothing)."""
         if self._memory:  # encoder-only models keep no cache

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..embeddings_format import EmbedSettings
 from ..engine import BatchEngine, SamplingParams
+from ..engine.embedding import Pooling
 from ..errors import EngineBroken, LlamabatchError
 from .inputs import STDIN, BadLine, Format, JobRequest, RequestReader, peek_ids
 from .ledger import IdSet, JsonlLog, digest, find_duplicate
@@ -58,6 +59,12 @@ class JobSummary:
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 2), "wall_s": round(self.wall_s, 3),
                 "mean_active_sequences": round(self.mean_active_sequences, 3), "draft_acceptance": round(self.draft_acceptance, 4)}
+
+    def embed_dict(self) -> dict:
+        """An embedding job's counts: nothing was generated, so no generation figures."""
+        kept = ("total", "done", "skipped", "failed", "prompt_tokens", "stopped_by", "broken")
+        return {**{k: getattr(self, k) for k in kept}, "wall_s": round(self.wall_s, 3),
+                "embedded_tokens_per_s": round(self.prompt_tokens / self.wall_s, 2) if self.wall_s > 0 else 0.0}
 
 
 class Stopped(Exception):
@@ -106,6 +113,9 @@ class BatchJob:
         if self.format is Format.OPENAI:
             self.reader.close()
             raise LlamabatchError("OpenAI batch lines are answered with OpenAI's output lines: write them to a .jsonl output")
+        if embed.pooling is Pooling.NONE:
+            self.reader.close()
+            raise LlamabatchError(f"--pooling none gives a vector per token, not a row per line: write .jsonl, not {self.output.suffix}")
         self.parts = self.output if self.output.suffix == ".parquet" else self.output.with_name(self.output.name + ".parts")
         self._out = ParquetParts(self.parts)
 

@@ -32,7 +32,7 @@ def result_record(fmt: Format, request: JobRequest, sequences: Seq[Sequence], en
 
 
 def embedding_record(
-    fmt: Format, request: JobRequest, rows: np.ndarray, prompt_tokens: int, model: str, settings: EmbedSettings,
+    fmt: Format, request: JobRequest, rows: list[np.ndarray], prompt_tokens: int, model: str, settings: EmbedSettings,
 ) -> dict:
     """An embedded request's output line: the server's /v1/embeddings body for OpenAI lines, else
     the vector ("embedding"), or the vectors of a list of inputs ("embeddings")."""

@@ -36,7 +36,7 @@ class ParquetParts:
         if self.path.exists() and not self.path.is_dir():
             raise LlamabatchError(f"{self.path} is a file, not a Parquet output folder: use --overwrite or another output")
         for part in self._parts():
-            table = pq.read_table(part, columns=[key, "request_digest"])
+            table = pq.ParquetFile(part).read(columns=[key, "request_digest"])
             yield from zip(table.column(key).to_pylist(), table.column("request_digest").to_pylist())
 
     def open(self, fresh: bool) -> None:
@@ -77,30 +77,33 @@ class ParquetParts:
 
 
 def write_npy(parts: Path, output: Path) -> int:
-    """Assemble the rows of a Parquet output folder into `output` (float32, rows in input order,
-    written through a memory map a part at a time) and OUTPUT.ids.txt. Returns the rows written."""
+    """Assemble the rows of a Parquet output folder into `output` (float32, rows in input order)
+    and OUTPUT.ids.txt, a part at a time: rows go to the file with positioned writes rather than
+    through a memory map, so a million rows do not sit in this process's memory. Returns the rows."""
     files = sorted(parts.glob("part-*.parquet"))
     if not files:
         raise LlamabatchError(f"nothing was embedded: {parts} holds no rows")
-    index = pq.read_table(files, columns=["id", "line"]) if len(files) == 1 else pa.concat_tables(
-        [pq.read_table(f, columns=["id", "line"]) for f in files])
-    lines = index.column("line").to_numpy()
-    row_of = np.empty(len(lines), dtype=np.int64)  # the row each stored vector goes to: its rank by input line
-    row_of[np.argsort(lines, kind="stable")] = np.arange(len(lines))
-    dim = pq.read_table(files[0], columns=["embedding"]).schema.field("embedding").type.list_size
-    array = np.lib.format.open_memmap(output, mode="w+", dtype=np.float32, shape=(len(lines), dim))
-    start = 0
-    for f in files:
-        column = pq.read_table(f, columns=["embedding"]).column("embedding").combine_chunks()
-        block = column.flatten().to_numpy().reshape(-1, dim)
-        array[row_of[start:start + len(block)]] = block
-        start += len(block)
-    array.flush()
-    del array
-    ids = np.asarray(index.column("id").to_pylist(), dtype=object)[np.argsort(lines, kind="stable")]
-    ids_path(output).write_text("".join(f"{id_}\n" for id_ in ids))
-    return len(lines)
-
-
-def ids_path(npy: Path) -> Path:
-    return npy.with_suffix(".ids.txt")
+    index = pa.concat_tables([pq.ParquetFile(f).read(columns=["id", "line"]) for f in files])
+    order = np.argsort(index.column("line").to_numpy(), kind="stable")
+    row_of = np.empty(len(order), dtype=np.int64)  # the row each stored vector goes to: its rank by input line
+    row_of[order] = np.arange(len(order))
+    dim = pq.read_schema(files[0]).field("embedding").type.list_size
+    with output.open("wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (len(order), dim)})
+        data = f.tell()
+        f.truncate(data + len(order) * dim * 4)
+        start = 0
+        for part in files:
+            column = pq.ParquetFile(part).read(columns=["embedding"]).column("embedding").combine_chunks()
+            block = column.flatten().to_numpy().reshape(-1, dim).astype("<f4", copy=False)
+            rows = row_of[start:start + len(block)]
+            # Parts hold rows mostly in input order: one write per run of consecutive rows.
+            for run in np.split(np.arange(len(rows)), np.flatnonzero(np.diff(rows) != 1) + 1):
+                os.pwrite(f.fileno(), block[run].tobytes(), data + int(rows[run[0]]) * dim * 4)
+            start += len(block)
+        os.fsync(f.fileno())
+    ids = index.column("id").take(pa.array(order))
+    with output.with_suffix(".ids.txt").open("w") as f:
+        for chunk in range(0, len(ids), PART_ROWS):
+            f.writelines(f"{id_}\n" for id_ in ids.slice(chunk, PART_ROWS).to_pylist())
+    return len(order)

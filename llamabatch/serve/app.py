@@ -41,7 +41,7 @@ from .worker import EngineUnavailable, EngineWorker, PoolingRequest, QueueFull, 
 class ServerSettings:
     engine: dict  # BatchEngine keyword arguments (model, n_parallel, n_ctx, ...)
     api_key: str | None = None
-    max_queue: int = 256  # sequences waiting for a slot before requests get 429
+    max_queue: int = 256  # sequences (and embedding requests) waiting before requests get 429
     request_timeout: float = 600.0  # seconds until a request is cancelled and answered 504
     pooling: Pooling | None = None  # /v1/embeddings: the GGUF's pooling, else mean, unless set
 
@@ -118,7 +118,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         reply = Reply(job, _engine(worker), "batch.completion", settings.request_timeout, metrics)
         return await reply.batch(worker, http)
 
-    @app.post("/v1/embeddings", dependencies=[Depends(authorized)], responses=_errors(400, 401, 500, 503, 504))
+    @app.post("/v1/embeddings", dependencies=[Depends(authorized)], responses=_errors(400, 401, 429, 500, 503, 504))
     async def embeddings(body: EmbeddingRequest) -> dict:
         pooling = settings.pooling
         rows, n_tokens = await _pool(worker, lambda engine: embedding_tokens(engine, body, pooling), pooling, settings.request_timeout)
@@ -127,11 +127,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
         except LlamabatchError as e:  # dimensions beyond the model's width
             raise HTTPException(400, str(e)) from None
 
-    @app.post("/v1/rerank", dependencies=[Depends(authorized)], responses=_errors(400, 401, 500, 503, 504))
+    @app.post("/v1/rerank", dependencies=[Depends(authorized)], responses=_errors(400, 401, 429, 500, 503, 504))
     @app.post("/rerank", dependencies=[Depends(authorized)], include_in_schema=False)
     async def rerank(body: RerankRequest) -> dict:
         rows, n_tokens = await _pool(worker, lambda engine: rerank_tokens(engine, body), Pooling.RANK, settings.request_timeout)
-        return rerank_body(rows[:, 0], body, _engine(worker).model_name, n_tokens)
+        return rerank_body([row[0] for row in rows], body, _engine(worker).model_name, n_tokens)
 
     app.include_router(tokenizer_routes(lambda: _engine(worker), authorized, _errors))
     return app
@@ -265,13 +265,15 @@ async def _submit(worker: EngineWorker, prompts: list, params: SamplingParams, m
 
 async def _pool(worker: EngineWorker, tokens, pooling: Pooling | None, timeout: float):
     """Texts (or pairs) pooled by the worker beside the running batch: (rows, tokens). 400 for an
-    input or model that cannot, 500 when the decode failed, 503 and 504 as for generation."""
+    input or model that cannot, 500 when the decode failed, 429, 503 and 504 as for generation."""
     _engine(worker)
     loop = asyncio.get_running_loop()
     request = PoolingRequest(loop, tokens, pooling, loop.create_future())
     try:
         worker.pool(request)
         return await asyncio.wait_for(request.done, timeout)
+    except QueueFull as e:
+        raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
     except EngineUnavailable as e:
         raise HTTPException(503, str(e)) from None
     except (DecodeError, EngineBroken) as e:

@@ -134,10 +134,15 @@ class EngineWorker:
         self._inbox.put(lambda: self._cancel(request))
 
     def pool(self, request: PoolingRequest) -> None:
-        """Queue texts to embed or pairs to score; EngineUnavailable when the engine has stopped."""
+        """Queue texts to embed or pairs to score: a waiting request counts as one in the queue
+        (it may hold up to 2,048 texts). QueueFull when the queue is full, EngineUnavailable when
+        the engine has stopped."""
         with self._pending_lock:
             if self.broken is not None:
                 raise EngineUnavailable(self.broken)
+            if self.queued + 1 > self.max_queue:
+                raise QueueFull(f"the queue is full ({self.queued} sequences and requests waiting, --max-queue {self.max_queue})")
+            self._pending += 1
             self._inbox.put(lambda: self._pooling.append(request))
 
     # -- the worker thread ----------------------------------------------------------------
@@ -174,6 +179,8 @@ class EngineWorker:
         self._drain_inbox(block=False)  # submissions already queued are refused by _take
         for pooling in self._pooling:
             pooling.loop.call_soon_threadsafe(_resolve, pooling.done, EngineUnavailable(self.broken))
+        with self._pending_lock:
+            self._pending -= len(self._pooling)
         self._pooling.clear()
 
     def _drain_inbox(self, block: bool) -> None:
@@ -217,6 +224,9 @@ class EngineWorker:
         their texts fill, one pooling type at a time. A request whose input is refused fails
         alone; a decode that fails fails the requests it carried."""
         waiting, self._pooling = self._pooling, []
+        with self._pending_lock:
+            self._pending -= len(waiting)
+        waiting = [r for r in waiting if not r.done.done()]  # its client timed out or left: no decode for it
         for pooling in {r.pooling for r in waiting}:
             taken: list[tuple[PoolingRequest, list[list[int]]]] = []
             for request in (r for r in waiting if r.pooling == pooling):
