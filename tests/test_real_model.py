@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -106,3 +107,14 @@ def test_perplexity_equals_llama_perplexity_on_the_same_text_and_window(gemma, t
     [ours] = gemma.score([text], chunk=256)
     assert ours.n_tokens == int(re.search(r"over (\d+) chunks", native.stderr)[1]) * 127
     assert ours.perplexity == pytest.approx(theirs, rel=0.01)
+
+
+def test_gemma_embeddings_batched_equal_alone_and_rank_meaning(gemma):
+    texts = ["a cat sat on the mat", "a kitten lay on the rug", "the stock market fell sharply today"]
+    together = gemma.embed(texts)
+    alone = np.stack([gemma.embed([t])[0] for t in texts])
+    assert together.shape == (3, 640)
+    # Quantized kernels round by the rows a decode has: llama.cpp's own spread is 0.9998 (README)
+    assert ((together * alone).sum(axis=1) > 0.999).all()
+    cosine = together @ together.T
+    assert cosine[0, 1] > cosine[0, 2] and cosine[0, 1] > cosine[1, 2]
