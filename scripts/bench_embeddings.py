@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -138,17 +139,34 @@ def server_rate(cmd: list[str], port: int, corpus: list[str], clients: int) -> f
         process.wait()
 
 
-def servers(gguf: Path, corpus: list[str], threads: int, clients: int, native_first: bool) -> tuple[float, float]:
+def llama_server(gguf: Path, corpus: list[str], threads: int, clients: int) -> float:
     port = free_port()
-    native = [native_bin("llama-server"), "-m", str(gguf), "--embeddings", "--pooling", "mean", "-c", str(TOKENS * clients),
-              "-b", str(TOKENS), "-ub", str(TOKENS), "-np", str(clients), "-t", str(threads), "--port", str(port)]
-    port2 = free_port()
-    ours = [sys.executable, "-m", "llamabatch.cli", "serve", "-m", str(gguf), "--parallel", "1", "--ctx", "256",
-            "-t", str(threads), "--pooling", "mean", "--port", str(port2)]
-    if native_first:
-        return server_rate(native, port, corpus, clients), server_rate(ours, port2, corpus, clients)
-    ours_s = server_rate(ours, port2, corpus, clients)
-    return server_rate(native, port, corpus, clients), ours_s
+    cmd = [native_bin("llama-server"), "-m", str(gguf), "--embeddings", "--pooling", "mean", "-c", str(TOKENS * clients),
+           "-b", str(TOKENS), "-ub", str(TOKENS), "-np", str(clients), "-t", str(threads), "--port", str(port)]
+    return server_rate(cmd, port, corpus, clients)
+
+
+def llamabatch_serve(gguf: Path, corpus: list[str], threads: int, clients: int) -> float:
+    port = free_port()
+    cmd = [sys.executable, "-m", "llamabatch.cli", "serve", "-m", str(gguf), "--parallel", "1", "--ctx", "256",
+           "-t", str(threads), "--pooling", "mean", "--port", str(port)]
+    return server_rate(cmd, port, corpus, clients)
+
+
+def paired(title: str, pairs: int, n_tokens: int, native: Callable[[], float], ours: Callable[[], float]) -> None:
+    """Seconds of each side, `pairs` times, the first side alternating so both see the same
+    machine; prints each pair and the median of the paired ratios (native time / ours)."""
+    ratios = []
+    for pair in range(pairs):
+        if pair % 2 == 0:
+            theirs, mine = native(), ours()
+        else:
+            mine = ours()
+            theirs = native()
+        ratios.append(theirs / mine)
+        print(f"  native {theirs:.2f} s ({n_tokens / theirs:,.0f} tok/s), llamabatch {mine:.2f} s "
+              f"({n_tokens / mine:,.0f} tok/s): {theirs / mine:.3f}x")
+    print(f"{title} (median of {pairs}): {statistics.median(ratios):.3f}x (spread {min(ratios):.3f}-{max(ratios):.3f})")
 
 
 def one_by_one(gguf: Path, corpus: list[str], threads: int) -> tuple[float, float]:
@@ -191,24 +209,13 @@ def main() -> None:
         agreement(gguf, corpus[: args.agree_texts], args.threads, work)
         source = work / "corpus.txt"
         source.write_text("\n".join(corpus))
-        ratios = []
-        for _ in range(args.pairs):  # alternating, so both sides see the same machine
-            native, _ = llama_embedding(gguf, source, args.threads)
-            ours = llamabatch_embed(gguf, source, args.threads, work / "out.npy")
-            ratios.append(native / ours)
-            print(f"  llama-embedding {native:.2f} s ({n_tokens / native:,.0f} tok/s), "
-                  f"llamabatch embed {ours:.2f} s ({n_tokens / ours:,.0f} tok/s): {native / ours:.3f}x")
-        print(f"llamabatch embed / llama-embedding (whole commands, median of {args.pairs}): {statistics.median(ratios):.3f}x "
-              f"(spread {min(ratios):.3f}-{max(ratios):.3f})")
+        paired("llamabatch embed / llama-embedding, whole commands", args.pairs, n_tokens,
+               lambda: llama_embedding(gguf, source, args.threads)[0],
+               lambda: llamabatch_embed(gguf, source, args.threads, work / "out.npy"))
         if not args.skip_server:
-            ratios = []
-            for pair in range(args.pairs):
-                native, ours = servers(gguf, corpus, args.threads, args.clients, native_first=pair % 2 == 0)
-                ratios.append(native / ours)
-                print(f"  llama-server {n_tokens / native:,.0f} tok/s, llamabatch serve {n_tokens / ours:,.0f} tok/s: "
-                      f"{native / ours:.3f}x")
-            print(f"llamabatch serve / llama-server, {args.clients} clients (median of {args.pairs}): "
-                  f"{statistics.median(ratios):.3f}x (spread {min(ratios):.3f}-{max(ratios):.3f})")
+            paired(f"llamabatch serve / llama-server, {args.clients} clients", args.pairs, n_tokens,
+                   lambda: llama_server(gguf, corpus, args.threads, args.clients),
+                   lambda: llamabatch_serve(gguf, corpus, args.threads, args.clients))
         if not args.skip_llama_cpp_python:
             theirs, ours = one_by_one(gguf, corpus, args.threads)
             print(f"Llama.embed one by one {n_tokens / theirs:,.0f} tok/s, BatchEngine.embed {n_tokens / ours:,.0f} tok/s: "
