@@ -602,6 +602,9 @@ def serve(
     request_timeout: Annotated[float, typer.Option(help="Seconds before a request is cancelled (504).")] = 600.0,
     pooling: Annotated[Optional[str], typer.Option(help="/v1/embeddings: mean, cls or last (default: the GGUF's, else mean).")] = None,
     embed_pack: EmbedPackOpt = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Files and batches of the Batch API (/v1/files, /v1/batches), kept across restarts (default: ~/.local/share/llamabatch).")] = None,
+    max_upload_mb: Annotated[int, typer.Option(help="Largest file upload, in MiB (413 beyond).")] = 200,
+    scheduling_policy: Annotated[Optional[str], typer.Option(help="'priority' (default: by the requests' priority, batches below interactive requests, preempting) or 'fcfs'.")] = None,
     batch_size: BatchOpt = None,
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
@@ -620,6 +623,7 @@ def serve(
     import uvicorn
 
     from .serve.app import ServerSettings, create_app
+    from .serve.store import default_data_dir
 
     if ray is not None and replicas is None:
         raise LlamabatchError("--ray says where --replicas run: add --replicas N|auto, or drop --ray")
@@ -628,8 +632,13 @@ def serve(
     for name in (model, draft_model) if draft_model else (model,):  # an unknown model or a missing file fails here, not in a thread
         Catalog.load(config).resolve(name).gguf_path()
     engine = EngineOptions.of(context.params).engine_kwargs()
+    if max_upload_mb < 1:
+        raise LlamabatchError(f"--max-upload-mb must be >= 1, got {max_upload_mb}")
+    if replicas is not None and data_dir is not None:
+        raise LlamabatchError("--data-dir is for the Batch API of one server; replicas (--replicas) serve no batches")
     settings = ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout,
-                              pooling=_pooling(pooling))
+                              pooling=_pooling(pooling), max_upload=max_upload_mb << 20,
+                              data_dir=None if replicas is not None else data_dir or default_data_dir())
     if replicas is not None:
         _serve_replicas(settings, _replicas(replicas), ray or "local", host, port)
         return

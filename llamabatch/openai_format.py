@@ -15,6 +15,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 from .engine import BatchEngine, SamplingParams, Sequence
 from .engine.native import Vocab
 from .engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED
+
+MAX_PRIORITY = 1000
 from .errors import ConstraintError, LlamabatchError, SamplingError
 
 
@@ -128,6 +130,9 @@ class SamplingFields(Body):
     ignore_eos: StrictBool = False
     prompt_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # vLLM: each prompt token's, with alternatives
     stream: StrictBool = False
+    # vLLM's: lower runs first, preempting running work of a higher value when no slot is free
+    # (serve --scheduling-policy priority; waiting ages it, so no value starves)
+    priority: integer(ge=-MAX_PRIORITY, le=MAX_PRIORITY) = 0
     stream_options: StreamOptions | None = None
     # Constrained output, in each peer's shape: OpenAI, llama-server, vLLM. At most one.
     response_format: ResponseFormat | None = None
@@ -283,9 +288,16 @@ def validation_message(error: ValidationError | list[dict]) -> str:
     return f"{where}: {message}" if where else message
 
 
+def check_priority(body: SamplingFields, engine: BatchEngine) -> None:
+    """A priority is refused where the engine would ignore it (first come, first served)."""
+    if body.priority and engine.config.scheduling != "priority":
+        raise SamplingError(f"priority {body.priority} needs --scheduling-policy priority (this engine schedules {engine.config.scheduling})")
+
+
 def engine_inputs(body: SamplingFields, engine: BatchEngine) -> tuple[list[str | list[int]], SamplingParams]:
     """The prompts and sampling parameters the engine runs for a request body. Raises a
     LlamabatchError naming the problem (empty prompt, value out of range, no chat template)."""
+    check_priority(body, engine)
     params = body.params()
     if isinstance(body, ChatRequest):
         messages = [m.rendered() for m in body.messages]

@@ -1,4 +1,5 @@
-"""The package's wings import one way: cli -> serve/jobs/measure -> engine -> top-level leaves.
+"""The package's wings import one way: cli -> serve -> jobs/measure -> engine -> top-level leaves
+(the server runs Batch API batches on the jobs wing).
 
 Read from the source with `ast`, lazy imports inside functions included, so a new module that
 reaches upward or sideways fails here rather than in review.
@@ -21,7 +22,7 @@ ALLOWED = {
     "llamabatch.engine": LEAVES,
     "llamabatch.openai_format": LEAVES | {"llamabatch.engine"},
     "llamabatch.embeddings_format": LEAVES | {"llamabatch.engine", "llamabatch.openai_format"},
-    "llamabatch.serve": LEAVES | {"llamabatch.engine", "llamabatch.openai_format", "llamabatch.embeddings_format"},
+    "llamabatch.serve": LEAVES | {"llamabatch.engine", "llamabatch.openai_format", "llamabatch.embeddings_format", "llamabatch.jobs"},
     "llamabatch.jobs": LEAVES | {"llamabatch.engine", "llamabatch.openai_format", "llamabatch.embeddings_format"},
     "llamabatch.measure": LEAVES | {"llamabatch.engine"},
     "llamabatch.display": LEAVES | {"llamabatch.engine", "llamabatch.measure"},

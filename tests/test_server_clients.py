@@ -142,14 +142,14 @@ def test_the_openapi_document_declares_every_answer(base):
     assert prompt[2]["items"]["maximum"] == 289 and prompt[2]["maxItems"] == 2048  # the served model's bounds
 
 
-def test_a_schema_fuzzer_finds_nothing_undocumented(serve):
+def test_a_schema_fuzzer_finds_nothing_undocumented(serve, tmp_path):
     """schemathesis generates requests from /openapi.json, valid and invalid, and checks every
     answer against the document: status codes, content types, response schemas, no server
     errors, invalid data refused. Left out: "schema-valid request rejected", since a JSON schema
     cannot count tokens and a prompt longer than the context is answered 400. The server's work
     is bounded (256 tokens a sequence, a queue of 64) so no fuzzed request runs for minutes."""
     pytest.importorskip("schemathesis")
-    base = serve(n_parallel=4, n_ctx=1024, max_queue=64, request_timeout=120)
+    base = serve(n_parallel=4, n_ctx=1024, max_queue=64, request_timeout=120, data_dir=tmp_path, max_upload=1 << 20)
     done = subprocess.run(
         [str(Path(sys.executable).parent / "schemathesis"), "run", f"{base}/openapi.json", "--checks", "all",
          "--exclude-checks", "positive_data_acceptance", "--max-examples", "30", "--request-timeout", "60", "--seed", "1"],

@@ -17,7 +17,7 @@ from .drafters import DraftModel, Drafter, NgramDrafter
 from .embedding import MAX_TEXTS_PER_DECODE, Embedder, Pooling, finish, model_pooling
 from ..errors import ConfigError, ConstraintError, DecodeError, EngineBroken, PromptError, SamplingError
 from .native import KV_FULL, Batch, Context, Model, Vocab, init_backend, use_row_invariant_matmul
-from .results import Event, Result, RunStats, Score
+from .results import Event, PromptScore, Result, RunStats, Score
 from .sampling import GreedySampler, SamplingParams, build_sampler, score_rows, token_logprob
 from .scheduler import LONE_ROW_MAX_CELLS, Filler, Scheduler
 from .sequence import Sequence, Status
@@ -33,6 +33,10 @@ LOGITS_BUDGET_BYTES = 256 << 20
 # A step that fails fails the sequences it carried; this many failing in a row (different
 # batches each time) mean the context itself is broken, and the engine stops.
 MAX_FAILED_STEPS = 3
+# Host memory for the KV of sequences preempted to make way for a better priority: kept, it is
+# put back as it was (no prefill again, and greedy output exactly as unpreempted); beyond this
+# budget a preempted sequence's KV is freed and recomputed when it runs again.
+SWAP_BUDGET_BYTES = 2 << 30
 
 
 class BatchEngine:
@@ -60,6 +64,7 @@ class BatchEngine:
         draft_model: str | Path | None = None,
         draft_max: int | None = None,
         embed_pack: int | None = None,
+        scheduling: str | None = None,
         chat: bool | None = None,
         verbose: bool = False,
     ) -> None:
@@ -69,7 +74,7 @@ class BatchEngine:
             spec, n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
             n_threads=n_threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
             deterministic=deterministic, speculative=speculative, draft_model=None if draft_model is None else str(draft_model),
-            draft_max=draft_max, embed_pack=embed_pack, chat=chat, verbose=verbose,
+            draft_max=draft_max, embed_pack=embed_pack, scheduling=scheduling, chat=chat, verbose=verbose,
         )
         draft_path = models.resolve(self.config.draft_model).gguf_path() if self.config.draft_model else None
         self.model_name = spec.name
@@ -107,8 +112,9 @@ class BatchEngine:
         self.scheduler = Scheduler(
             cfg.n_parallel, self.ctx.n_batch, cfg.share_prefixes, batch_invariant=cfg.deterministic, n_streams=n_streams,
             lone_row_max_cells=0 if float_weights else LONE_ROW_MAX_CELLS,
-            max_outputs=LOGITS_BUDGET_BYTES // (4 * self.vocab.n_vocab),
+            max_outputs=LOGITS_BUDGET_BYTES // (4 * self.vocab.n_vocab), policy=cfg.scheduling,
         )
+        self._swapped_bytes = 0  # KV of preempted sequences held in host memory
         self.grammars = Grammars(self.vocab)
         self.planner = DraftPlanner(cfg.draft_max) if self.drafter is not None else None
         self.stats = RunStats()
@@ -134,12 +140,14 @@ class BatchEngine:
 
     def add(
         self, prompt: str | list[int], params: SamplingParams | None = None, index: int | None = None,
-        *, score_from: int | None = None,
+        *, score_from: int | None = None, priority: int = 0, priority_class: str = "interactive",
     ) -> list[Sequence]:
         """Queue a prompt (text, or token ids) for params.n samples, which share its KV. With
         score_from (or params.prompt_logprobs, which scores from the second token), the prompt's
-        tokens from that index on get their log-probabilities as it is decoded. Raises
-        PromptError (or SamplingError, ConstraintError) when it cannot run; nothing is queued then."""
+        tokens from that index on get their log-probabilities as it is decoded. A lower priority
+        runs first (scheduler.rank), preempting worse-ranked sequences when no slot is free.
+        Raises PromptError (or SamplingError, ConstraintError) when it cannot run; nothing is
+        queued then."""
         params = params or SamplingParams()
         if index is None:
             index, self._next_index = self._next_index, self._next_index + 1
@@ -166,6 +174,7 @@ class BatchEngine:
         sequences = [self._new_sequence(index, k, prompt, tokens, p) for k, p in enumerate(params.per_sample())]
         for seq, matcher in zip(sequences, matchers):
             seq.matcher = matcher
+            seq.priority, seq.priority_class = priority, priority_class
             seq.score_from = -1 if score_from is None else score_from
             if params.max_tokens == 0 and score_from is None:  # nothing to generate, nothing to score: done
                 seq.status, seq.finish_reason = Status.FINISHED, "length"
@@ -182,7 +191,8 @@ class BatchEngine:
         return seq
 
     def submit(
-        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+        *, priority: int = 0, priority_class: str = "interactive",
     ) -> list[Sequence]:
         """Queue prompts (index = position in `prompts`); n samples each, in order. A prompt that
         cannot run comes back already finished with its error; the others are unaffected."""
@@ -192,11 +202,11 @@ class BatchEngine:
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         else:
             params = [params or SamplingParams()] * len(prompts)
-        return [seq for i, (p, sp) in enumerate(zip(prompts, params)) for seq in self._submit_one(i, p, sp)]
+        return [seq for i, (p, sp) in enumerate(zip(prompts, params)) for seq in self._submit_one(i, p, sp, priority, priority_class)]
 
-    def _submit_one(self, index: int, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
+    def _submit_one(self, index: int, prompt: str | list[int], params: SamplingParams, priority: int, priority_class: str) -> list[Sequence]:
         try:
-            return self.add(prompt, params, index)
+            return self.add(prompt, params, index, priority=priority, priority_class=priority_class)
         except (PromptError, SamplingError, ConstraintError) as e:
             prompt = prompt if isinstance(prompt, str) else ""
             return [
@@ -234,6 +244,8 @@ class BatchEngine:
 
     def _step(self, events: list[Event], carried: list[Sequence]) -> None:
         started = time.perf_counter()
+        for victim in self.scheduler.victims():
+            self._make_way(victim)
         for seq in self.scheduler.admit():
             self._take_cached_prefix(seq)
         drafted = self._propose_drafts() if self.planner is not None else None  # None: nothing planned
@@ -416,8 +428,35 @@ class BatchEngine:
             seq.draft = draft
         return [seq for seq in eligible if seq.draft]
 
+    def _make_way(self, victim: Sequence) -> None:
+        """Preempt a running sequence for a better-priority one: its KV saved to host memory if
+        the swap budget holds it (put back when it runs again), else freed (recomputed then)."""
+        if victim.n_past and self._swapped_bytes < SWAP_BUDGET_BYTES:
+            saved = self.ctx.save_sequence(victim.seq_id)
+            if self._swapped_bytes + len(saved) <= SWAP_BUDGET_BYTES:
+                victim.swapped = saved
+                self._swapped_bytes += len(saved)
+        self.ctx.remove_sequence(victim.seq_id)
+        victim.draft = []
+        self.scheduler.preempt(victim, kv_full=False)
+        self.stats.priority_preemptions += 1
+
+    def _drop_swapped(self, seq: Sequence) -> None:
+        if seq.swapped is not None:
+            self._swapped_bytes -= len(seq.swapped)
+            seq.swapped = None
+
     def _take_cached_prefix(self, seq: Sequence) -> None:
-        """Keep the part of the slot's cached KV the scheduler matched (if still usable), drop the rest."""
+        """Keep the part of the slot's cached KV the scheduler matched (if still usable), drop the
+        rest; or put back the KV a preempted sequence had (recomputed if it no longer fits)."""
+        if seq.swapped is not None:
+            self.ctx.remove_sequence(seq.seq_id)
+            restored = self.ctx.restore_sequence(seq.seq_id, seq.swapped)
+            self._drop_swapped(seq)
+            if restored:
+                return
+            self.ctx.remove_sequence(seq.seq_id)  # whatever part did go in
+            seq.n_past, seq.scored = 0, PromptScore()
         seq.n_past = self.ctx.reusable(seq.seq_id, seq.n_past)
         self.ctx.remove_sequence(seq.seq_id, from_pos=seq.n_past)
         self.stats.prompt_tokens_reused += min(seq.n_past, seq.n_prompt)
@@ -621,6 +660,7 @@ class BatchEngine:
         """The sequence is done; its KV stays in its slot as a prefix cache for later prompts
         (when prefixes are shared; else it is freed, so a deterministic filler finds room there)."""
         text += seq.text.finish()
+        self._drop_swapped(seq)
         seq.finish_reason, seq.error = reason, error
         if seq.incomplete:
             self.stats.incomplete_structured += 1
@@ -646,7 +686,7 @@ class BatchEngine:
             self.drop_cached_prefixes()
             return []
         if len(self.scheduler.running) > 1:
-            victim = self.scheduler.running[-1]  # the most recently admitted
+            victim = max(self.scheduler.running, key=self.scheduler.rank_of)  # the worst ranked: the newest of the lowest priority
             self.ctx.remove_sequence(victim.seq_id)
             self.scheduler.preempt(victim)
             self.stats.preemptions += 1

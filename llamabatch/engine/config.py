@@ -44,6 +44,10 @@ class EngineConfig:
     draft_model: str | None = None
     draft_max: int = 15  # with its last token, 16 rows: a multiple of the CPU kernels' 4-row tile
     embed_pack: int = EMBED_PACK_TOKENS  # tokens packed into one embedding decode
+    # "priority": admission by priority (aged), preempting worse-ranked sequences for better
+    # ones; "fcfs": submission order, no preemption (vLLM's --scheduling-policy). Sequences of
+    # one priority (every command but serve) run in submission order under both.
+    scheduling: str = "priority"
     chat: bool = False
     verbose: bool = False
 
@@ -105,6 +109,8 @@ class EngineConfig:
             yield f"--draft-model drafts with --speculative draft, not {self.speculative!r}"
         if self.deterministic and self.speculative != "off":
             yield "--deterministic decodes one token per sequence a step: drop --speculative"
+        if self.scheduling not in ("priority", "fcfs"):
+            yield f"--scheduling-policy must be 'priority' or 'fcfs', got {self.scheduling!r}"
         if self.draft_max < 1:
             yield f"--draft-max must be >= 1, got {self.draft_max}"
         if self.gpu_layers < -1:

@@ -362,6 +362,18 @@ class Context(_Owner):
             llama_cpp.llama_memory_seq_cp(self._memory, src, dst, -1, -1)
             self.remove_sequence(dst, from_pos=n_tokens)
 
+    def save_sequence(self, seq_id: int) -> bytes:
+        """A copy of a sequence's KV cells (and their positions), to put back with restore_sequence."""
+        size = llama_cpp.llama_state_seq_get_size(self.handle, seq_id)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self.handle, buffer, size, seq_id)
+        return bytes(buffer[:written])
+
+    def restore_sequence(self, seq_id: int, data: bytes) -> bool:
+        """Put saved KV cells into seq_id (which must hold none); False when they do not fit."""
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return llama_cpp.llama_state_seq_set_data(self.handle, buffer, len(data), seq_id) == len(data)
+
     def reusable(self, seq_id: int, n_tokens: int) -> int:
         """How many of seq's first n_tokens cached positions can be continued from: all, or none when
         sliding-window layers have already dropped cells the next tokens would attend to."""

@@ -37,6 +37,7 @@ class EngineOptions:
     draft_model: str | None = None
     draft_max: int | None = None
     embed_pack: int | None = None
+    scheduling_policy: str | None = None
     chat: bool | None = None
     verbose: bool = False
 
@@ -58,7 +59,8 @@ class EngineOptions:
             model=self.model, catalog=self.config, n_parallel=n_parallel, n_ctx=n_ctx, n_batch=self.batch_size,
             n_ubatch=self.ubatch_size, n_threads=self.threads, gpu_layers=self.gpu_layers, kv_unified=self.kv_unified,
             share_prefixes=self.share_prefixes, deterministic=self.deterministic, speculative=self.speculative,
-            draft_model=self.draft_model, draft_max=self.draft_max, embed_pack=self.embed_pack, chat=self.chat, verbose=self.verbose,
+            draft_model=self.draft_model, draft_max=self.draft_max, embed_pack=self.embed_pack,
+            scheduling=self.scheduling_policy, chat=self.chat, verbose=self.verbose,
         )
 
     def _check(self) -> None:

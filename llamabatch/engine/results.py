@@ -99,6 +99,7 @@ class RunStats:
     decode_calls: int = 0  # every llama_decode call, including any that found the KV cache full
     sequence_slots: int = 0  # sum over decode calls of the sequences in the batch
     preemptions: int = 0  # sequences sent back to the queue because the KV cache was full
+    priority_preemptions: int = 0  # sequences that made way for a better priority (KV swapped out where it fit)
     failed_steps: int = 0  # steps that failed, failing the sequences they carried
     incomplete_structured: int = 0  # constrained outputs cut (max_tokens, context) before their constraint was complete
     prompt_tokens_reused: int = 0  # prompt tokens whose KV came from another sequence or a slot's cache
@@ -138,6 +139,7 @@ class RunStats:
             "decode_calls": self.decode_calls,
             "mean_active_sequences": round(self.mean_active_sequences, 3),
             "preemptions": self.preemptions,
+            "priority_preemptions": self.priority_preemptions,
             "failed_steps": self.failed_steps,
             "incomplete_structured": self.incomplete_structured,
             "draft_tokens": self.draft_tokens,

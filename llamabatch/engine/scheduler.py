@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import operator
 import time
-from collections import deque
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .prefix_index import PrefixIndex
@@ -21,6 +23,67 @@ MIN_SHARED_PREFIX = 8
 # cells, i.e. once a sequence holds more than 256. In deterministic mode such a row gets a filler.
 # (With float weights every lone row does: llamafile's sgemm serves only 2 rows or more.)
 LONE_ROW_MAX_CELLS = 256
+
+# Priorities (lower runs first, as vLLM's `priority`) age: a sequence gains one level for every
+# AGING_S seconds it waits, so a stream of higher-priority work delays lower work but never
+# starves it. Ranked as priority * AGING_S + submission time, an order that waiting cannot change.
+AGING_S = 5.0
+# The batch class (server-side batches) ranks this many levels below interactive requests: it
+# yields to interactive work that arrives up to BATCH_PRIORITY * AGING_S (10 minutes) after it.
+BATCH_PRIORITY = 120
+
+
+def rank(seq: Sequence, policy: str = "priority") -> tuple[float, int]:
+    """Admission order: smaller first. fcfs ignores priorities: submission order alone."""
+    levels = seq.priority * AGING_S if policy == "priority" else 0.0
+    return levels + seq.t_submitted, seq.uid
+
+
+class WaitingQueue:
+    """Sequences waiting for a slot, best rank first (a heap: a queue of thousands stays cheap)."""
+
+    def __init__(self, policy: str = "priority") -> None:
+        self.policy = policy
+        self._heap: list[tuple[tuple[float, int], int, Sequence]] = []
+        self._pushed = itertools.count()  # ties (equal uid: hand-made sequences) keep push order
+        self._levels: Counter[int] = Counter()  # how many wait at each priority
+        self._classes: Counter[str] = Counter()  # and in each class
+
+    def push(self, seq: Sequence) -> None:
+        heapq.heappush(self._heap, (rank(seq, self.policy), next(self._pushed), seq))
+        self._levels[seq.priority] += 1
+        self._classes[seq.priority_class] += 1
+
+    def pop(self) -> Sequence:
+        seq = heapq.heappop(self._heap)[2]
+        self._forget(seq)
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        self._heap = [entry for entry in self._heap if entry[2] is not seq]
+        heapq.heapify(self._heap)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        self._classes[seq.priority_class] -= 1
+        self._levels[seq.priority] -= 1
+        if not self._levels[seq.priority]:
+            del self._levels[seq.priority]
+
+    def count(self, priority_class: str) -> int:
+        return self._classes[priority_class]
+
+    @property
+    def best_priority(self) -> int:
+        """The best (lowest) priority waiting, unaged."""
+        return min(self._levels)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        """In admission order."""
+        return (entry[2] for entry in sorted(self._heap, key=lambda entry: entry[:2]))
 
 
 @dataclass(frozen=True)
@@ -43,6 +106,10 @@ class Slot:
 class Scheduler:
     """Owns the waiting queue, the running set and the slots.
 
+    Waiting sequences are admitted best rank first (priority, aged by waiting time; see rank).
+    When one waits with no slot free, running sequences of a worse rank make way for it
+    (victims(): the engine keeps or frees their KV, then preempt()).
+
     Each step every running sequence that is generating brings its one new token,
     so generation never stalls behind a long prompt; prompt prefill fills the rest
     of the n_batch token budget, in admission order, in chunks.
@@ -55,7 +122,7 @@ class Scheduler:
 
     def __init__(
         self, n_slots: int, n_batch: int, share_prefixes: bool = True, batch_invariant: bool = False, n_streams: int = 0,
-        lone_row_max_cells: int = LONE_ROW_MAX_CELLS, max_outputs: int | None = None,
+        lone_row_max_cells: int = LONE_ROW_MAX_CELLS, max_outputs: int | None = None, policy: str = "priority",
     ) -> None:
         if n_batch < n_slots:
             raise ValueError(f"n_batch ({n_batch}) must be at least the number of slots ({n_slots})")
@@ -71,7 +138,8 @@ class Scheduler:
         self.n_streams = max(n_streams, n_slots)  # KV streams (seq_ids) the context has
         self.lone_row_max_cells = lone_row_max_cells
         self._prefilled_since_decode = 0  # prompt tokens; deterministic mode
-        self.waiting: deque[Sequence] = deque()
+        self.policy = policy
+        self.waiting = WaitingQueue(policy)
         self.running: list[Sequence] = []
         self._free: dict[int, Slot] = {i: Slot(i) for i in range(n_slots)}  # seq_id -> free slot
         self._free_ids = list(range(n_slots))  # a heap of free seq_ids (and some taken since: skipped)
@@ -89,20 +157,21 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def admit(self) -> list[Sequence]:
         """Move waiting sequences into free slots. Each comes back with n_past = the tokens its
         slot's cache can give it; the engine checks that and trims the slot's KV to match."""
         admitted = []
         while self.waiting and self._free and not (self._kv_full and self.running):
-            seq = self.waiting.popleft()
+            seq = self.waiting.pop()
             slot, n_cached = self._take_slot(seq)
             seq.seq_id, seq.status, seq.t_admitted = slot.seq_id, Status.RUNNING, time.perf_counter()
-            # The newest token is decoded again, for its logits; a scored prompt's scored rows too.
-            seq.n_past = min(n_cached, len(seq.tokens) - 1, seq.shareable)
-            if self.share_prefixes or self.batch_invariant:
-                self._follow_a_leader(seq)
+            if seq.swapped is None:  # (a swapped-out sequence gets its own KV back: n_past stands)
+                # The newest token is decoded again, for its logits; a scored prompt's scored rows too.
+                seq.n_past = min(n_cached, len(seq.tokens) - 1, seq.shareable)
+                if self.share_prefixes or self.batch_invariant:
+                    self._follow_a_leader(seq)
             self.running.append(seq)
             admitted.append(seq)
         return admitted
@@ -196,13 +265,40 @@ class Scheduler:
         seq.status = Status.FINISHED
         self._kv_full = False
 
-    def preempt(self, seq: Sequence) -> None:
-        """Take a running sequence's slot (its KV already freed); it re-enters first and re-prefills
-        (a scored prompt is scored again)."""
+    def victims(self) -> list[Sequence]:
+        """Running sequences to preempt so that waiting ones of a better priority get a slot now:
+        past the waiting sequences the free slots will take, each next one (best rank first)
+        displaces the worst-ranked running sequence, if that one has a worse priority and, aged,
+        still ranks worse. Never among equal priorities (no churn), never under fcfs, nor while
+        the KV cache is recovering from running full."""
+        if self.policy != "priority" or self._kv_full or not self.running or len(self.waiting) <= len(self._free):
+            return []
+        if self.waiting.best_priority >= max(seq.priority for seq in self.running):
+            return []  # the common case, one priority for all: no sort of the queue
+        candidates = sorted(self.running, key=self.rank_of, reverse=True)  # worst first
+        chosen = []
+        for seq in itertools.islice(self.waiting, len(self._free), None):  # best first
+            victim = next((v for v in candidates if v.priority > seq.priority and self.rank_of(v) > self.rank_of(seq)), None)
+            if victim is None:
+                break
+            candidates.remove(victim)
+            chosen.append(victim)
+        return chosen
+
+    def preempt(self, seq: Sequence, kv_full: bool = True) -> None:
+        """Take a running sequence's slot; it waits again at its own rank. Its KV is already freed:
+        it re-prefills everything (a scored prompt is scored again), unless the engine swapped
+        its KV out (seq.swapped), to be put back when it is admitted again. After a full KV
+        cache nothing is admitted until a sequence finishes; a priority preemption admits at once."""
         self._free_slot(self._give_back_slot(seq), cached=[])
-        seq.n_past, seq.status, seq.scored = 0, Status.WAITING, PromptScore()
-        self.waiting.appendleft(seq)
-        self._kv_full = True
+        seq.status = Status.WAITING
+        if seq.swapped is None:
+            seq.n_past, seq.scored = 0, PromptScore()
+        self.waiting.push(seq)
+        self._kv_full = kv_full
+
+    def rank_of(self, seq: Sequence) -> tuple[float, int]:
+        return rank(seq, self.policy)
 
     @property
     def has_cached_prefixes(self) -> bool:
@@ -221,7 +317,7 @@ class Scheduler:
         without one worth keeping, the lowest seq_id. With a per-sequence KV cache llama.cpp puts
         only consecutive seq_ids in one ubatch, so dense low ids keep a step to one graph."""
         best, n_best = None, 0
-        if self.share_prefixes:
+        if self.share_prefixes and seq.swapped is None:
             n, slot = next(self._cached.matches(seq.tokens), (0, None))
             if n >= _worth_sharing(seq):
                 best, n_best = slot, n

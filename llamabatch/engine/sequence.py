@@ -64,6 +64,11 @@ class Sequence:
     leader: Sequence | None = None
     n_shared: int = 0
     followers: list[Sequence] = field(default_factory=list)
+    # Admission: lower priority values run first (vLLM's convention), aged by waiting time
+    # (scheduler.rank); the class names the entry point, for metrics ("interactive", "batch").
+    priority: int = 0
+    priority_class: str = "interactive"
+    swapped: bytes | None = None  # its KV (n_past positions), saved to host memory while preempted
     finish_reason: str | None = None  # "stop", "length", "error" or "cancelled"
     error: str | None = None
     refused: bool = False  # the error is the caller's (it asked what cannot run), not the engine's

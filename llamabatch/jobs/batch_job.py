@@ -92,16 +92,18 @@ class BatchJob:
         window: int | None = None,
         on_progress: Callable[[JobSummary], None] | None = None,
         embed: EmbedSettings | None = None,
+        priority: int = 0,
     ) -> None:
         """`embed` makes it an embedding job (`llamabatch embed`): a text line is a text to embed,
-        and the output may be .parquet or .npy as well as JSON Lines."""
+        and the output may be .parquet or .npy as well as JSON Lines. `priority` ranks its
+        sequences in an engine others use too (the server's batches)."""
         self.engine = engine
         self._setup(input, output, errors, base, retry_errors, overwrite, on_progress, embed is not None)
         vectors = self.output.suffix in (".parquet", ".npy")
         if vectors:
             self._vector_output(embed)
         embedding = replace(embed or EmbedSettings(), one_per_line=vectors)
-        self.runner = RequestRunner(engine, self.format, window, incomplete_errors, embedding)
+        self.runner = RequestRunner(engine, self.format, window, incomplete_errors, embedding, priority=priority)
         self.settings = job_settings(engine.model_name, engine.model.path, engine.config, self.format, self.base,
                                      embed and embedding)
 
@@ -159,18 +161,14 @@ class BatchJob:
         stats = self.engine.stats
         stats_before = (stats.decode_calls, stats.sequence_slots, stats.draft_tokens, stats.draft_accepted)
         try:
-            for outcome in self._outcomes(self._prepare()):
-                self._record(outcome)
+            for outcome in self._outcomes(self.prepare()):
+                self.record(outcome)
         except Stopped:
             pass
         except EngineBroken as e:  # what finished is written; a resumed run (--retry-errors) does the rest
             self.summary.broken = str(e)
         finally:
-            self.reader.close()
-            self._out.close()
-            self._err.close()
-            if self.output.suffix == ".npy" and self.summary.complete and self.parts.is_dir():
-                write_npy(self.parts, self.output)
+            self.close()
             s, (calls, slots, drafted, accepted) = self.summary, stats_before
             s.stopped_by = self.stop_signals[0] if self.stop_signals else None
             s.wall_s = time.perf_counter() - started
@@ -180,11 +178,21 @@ class BatchJob:
             s.draft_acceptance = (stats.draft_accepted - accepted) / s.draft_tokens if s.draft_tokens else 0.0
         return self.summary
 
+    def close(self) -> None:
+        """Close the input and the output files (synced to disk); a complete .npy job assembles
+        its array now."""
+        self.reader.close()
+        self._out.close()
+        self._err.close()
+        if self.output.suffix == ".npy" and self.summary.complete and not self.stop_signals and self.parts.is_dir():
+            write_npy(self.parts, self.output)
+
     def _outcomes(self, done: IdSet) -> Iterator[Outcome]:
         """Every request not in `done`, answered (where the Ray job sends them to its actors)."""
-        return self.runner.run(self._not_done(done))
+        return self.runner.run(self.pending(done))
 
-    def _record(self, outcome: Outcome) -> None:
+    def record(self, outcome: Outcome) -> None:
+        """Write a request's line to the output or the error file, and count it."""
         s = self.summary
         s.incomplete += outcome.incomplete
         if outcome.ok:
@@ -197,7 +205,7 @@ class BatchJob:
             s.failed += 1
         self.on_progress(s)
 
-    def _prepare(self) -> IdSet:
+    def prepare(self) -> IdSet:
         """Everything before the first request runs, in an order that changes no file until the
         job is known to be this one: the manifest checked, what earlier runs answered read back,
         the input surveyed, then the manifest and the output files opened. Returns the ids (with
@@ -257,7 +265,8 @@ class BatchJob:
             "use --overwrite to start afresh, or another output"
         )
 
-    def _not_done(self, done: IdSet) -> Iterator[JobRequest | BadLine]:
+    def pending(self, done: IdSet) -> Iterator[JobRequest | BadLine]:
+        """The input's requests that `done` (from prepare()) does not hold, read as they are asked for."""
         seen: set[bytes] | None = set() if self.summary.total is None else None  # stdin: duplicates found as they come
         for item in self.reader:
             if item.id in done:

@@ -164,14 +164,14 @@ class RayBatchJob(BatchJob):
     def run(self) -> JobSummary:
         started = time.perf_counter()
         try:
-            done = self._prepare()
+            done = self.prepare()
             self.summary.skipped = sum(peek_id(self.format, n, text) in done for n, text in numbered_lines(self.input)) if len(done) else 0
             written: set[bytes] = set()  # a retried batch must not write its ids twice
             for outcome in self._outcomes(done):
                 key = digest(outcome.id)
                 if key not in written:
                     written.add(key)
-                    self._record(outcome)
+                    self.record(outcome)
                 if self.stop_signals:  # what is written stays; a resumed run does the rest
                     break
         except Stopped:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ..engine import BatchEngine, Sequence, Status
+from ..engine import BatchEngine, Event, Sequence, Status
 from ..errors import LlamabatchError
 from ..openai_format import engine_inputs, failure, usage
 from .inputs import BadLine, Format, JobRequest
@@ -45,17 +45,20 @@ class RequestRunner:
 
     def __init__(
         self, engine: BatchEngine, fmt: Format, window: int | None = None, incomplete_errors: bool = False,
-        embedding: EmbedSettings = EmbedSettings(),
+        embedding: EmbedSettings = EmbedSettings(), priority: int = 0, priority_class: str = "batch",
     ) -> None:
         self.engine = engine
         self.format = fmt
         self.incomplete_errors = incomplete_errors  # answers with a cut structured output go to the error file
         self.embedding = embedding
+        # Where its sequences rank (scheduler.rank): a line's own `priority` is added to this.
+        self.priority, self.priority_class = priority, priority_class
         self._to_embed: list[tuple[JobRequest, list[list[int]]]] = []  # embedding requests, pooled a decode's worth at a time
         self._to_embed_tokens = 0
         self.window = window or WINDOW_PER_SLOT * engine.config.n_parallel
         self.stop_signals: list[str] = []  # set by signal handlers, acted on between steps
         self._stopping = False
+        self._exhausted = False
         self._open: dict[int, _Open] = {}  # sequence uid -> its request
         self._n_open_sequences = 0
         self._created = int(time.time())
@@ -66,31 +69,55 @@ class RequestRunner:
         self.stop_signals.append(reason)
 
     def run(self, requests: Iterable[JobRequest | BadLine]) -> Iterator[Outcome]:
+        """Every request answered, this runner stepping the engine itself."""
         requests = iter(requests)
-        exhausted = False
         while True:
-            self._act_on_signals()
-            while not (exhausted or self._stopping) and self._n_open_sequences < self.window and not self._pack_waiting:
-                item = next(requests, None)
-                if item is None:
-                    exhausted = True
-                elif item is IDLE:
-                    break
-                elif isinstance(item, BadLine):
-                    yield self._failure(item, item.message, item.status)
-                elif item.embedding is not None:
-                    yield from self._submit_embedding(item)
-                else:
-                    yield from self._submit(item)
-            if self._to_embed:  # what the window let in: pooled before the next generation step
-                yield from self._embed()
+            yield from self.feed(requests)
             if not self.engine.has_work:
-                if exhausted or self._stopping:
+                if self.finished:
                     return
                 continue
             for event in self.engine.step():
-                if event.finish_reason is not None:
-                    yield from self._finished(event.uid)
+                yield from self.on_event(event)
+
+    # -- driven from outside: the server's worker steps one engine for many runners ----------
+
+    def feed(self, requests: Iterator[JobRequest | BadLine]) -> Iterator[Outcome]:
+        """Between steps: act on stop requests, queue requests until the window is full, and pool
+        the embedding requests that came in. Yields the requests answered without a step."""
+        self._act_on_signals()
+        while not (self._exhausted or self._stopping) and self._n_open_sequences < self.window and not self._pack_waiting:
+            item = next(requests, None)
+            if item is None:
+                self._exhausted = True
+            elif item is IDLE:
+                break
+            elif isinstance(item, BadLine):
+                yield self._failure(item, item.message, item.status)
+            elif item.embedding is not None:
+                yield from self._submit_embedding(item)
+            else:
+                yield from self._submit(item)
+        if self._to_embed:  # what the window let in: pooled before the next generation step
+            yield from self._embed()
+
+    def on_event(self, event: Event) -> Iterator[Outcome]:
+        """A step's event: the request whose last sequence it finished is answered."""
+        if event.finish_reason is not None:
+            yield from self._finished(event.uid)
+
+    def sequence(self, uid: int) -> Sequence | None:
+        """The open sequence with this uid, if one of this runner's requests has it."""
+        req = self._open.get(uid)
+        return None if req is None else next((s for s in req.sequences if s.uid == uid), None)
+
+    def open_sequences(self) -> list[Sequence]:
+        return [s for req in set(self._open.values()) for s in req.sequences if s.finish_reason is None]
+
+    @property
+    def finished(self) -> bool:
+        """The input is read (or the runner stopped) and every request it queued is answered."""
+        return (self._exhausted or self._stopping) and not self._open and not self._to_embed
 
     def _act_on_signals(self) -> None:
         if not self.stop_signals:
@@ -118,7 +145,8 @@ class RequestRunner:
             )
             for i, prompt in enumerate(prompts):
                 try:
-                    req.sequences += self.engine.add(prompt, params, index=i)
+                    priority = self.priority + (request.body.priority if request.body is not None else 0)
+                    req.sequences += self.engine.add(prompt, params, index=i, priority=priority, priority_class=self.priority_class)
                 except LlamabatchError as e:
                     raise LlamabatchError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
         except LlamabatchError as e:

@@ -12,11 +12,13 @@ import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from importlib.metadata import version
 
 from fastapi import Depends, FastAPI, HTTPException, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -29,9 +31,11 @@ from ..embeddings_format import (
 from ..engine.embedding import Pooling
 from ..errors import DecodeError, EngineBroken, LlamabatchError
 from ..openai_format import (
-    ChatRequest, CompletionRequest, SamplingFields, engine_inputs, error_body, failure, validation_message,
+    ChatRequest, CompletionRequest, SamplingFields, check_priority, engine_inputs, error_body, failure, validation_message,
 )
+from .batch_api import batch_routes, resume_batches
 from .metrics import Metrics
+from .store import Store
 from .openai_api import BatchRequest, Reply
 from .tokenizer_api import tokenizer_routes
 from .worker import EngineUnavailable, EngineWorker, PoolingRequest, QueueFull, Request
@@ -44,6 +48,8 @@ class ServerSettings:
     max_queue: int = 256  # sequences (and embedding requests) waiting before requests get 429
     request_timeout: float = 600.0  # seconds until a request is cancelled and answered 504
     pooling: Pooling | None = None  # /v1/embeddings: the GGUF's pooling, else mean, unless set
+    data_dir: Path | None = None  # files and batches (OpenAI's Batch API); None: no batch API
+    max_upload: int = 200 << 20  # bytes a file upload may have (413 beyond)
 
 # -- the app -----------------------------------------------------------------------------
 
@@ -53,11 +59,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
     worker = EngineWorker(lambda: BatchEngine(**settings.engine), settings.max_queue, metrics.observer())
     metrics.watch(worker)
 
+    store = Store(settings.data_dir) if settings.data_dir is not None else None
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         worker.start()  # loads the model in its thread: /health says 503 until then
+        if store is not None:  # batches a stopped server left unfinished resume once the model is in
+            asyncio.get_running_loop().run_in_executor(None, _resume_when_loaded, store, worker)
         yield
         worker.stop()
+        if store is not None:
+            store.close()
 
     app = FastAPI(title="llamabatch", version=version("llamabatch"), lifespan=lifespan)
     app.state.worker = worker  # a Ray Serve replica starts and stops it itself (no lifespan there)
@@ -66,7 +78,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)  # FastAPI's own too: a body that is not JSON, say
     async def http_error(request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette names the first route's methods only: name every route's on the path
+            allowed = {m for route in app.routes if isinstance(route, APIRoute) and route.path_regex.match(request.url.path)
+                       for m in route.methods}
+            headers = {**(headers or {}), "Allow": ", ".join(sorted(allowed))}
+        return _error(exc.status_code, str(exc.detail), headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc: RequestValidationError):
@@ -105,7 +122,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             prompts, params = engine_inputs(body, engine)
         except LlamabatchError as e:
             raise HTTPException(400, str(e)) from None
-        job = await _submit(worker, prompts, params, metrics, settings.request_timeout)
+        job = await _submit(worker, prompts, params, metrics, settings.request_timeout, body.priority)
         reply = Reply(job, engine, kind, settings.request_timeout, metrics, body.shown())
         if body.stream:
             chunks = reply.chat_chunks(worker) if kind == "chat.completion" else reply.completion_chunks(worker)
@@ -114,7 +131,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/batch/completions", dependencies=[Depends(authorized)], responses=_errors(400, 401, 429, 500, 503, 504))
     async def batch_completions(body: BatchRequest, http: HttpRequest) -> dict:
-        job = await _submit(worker, body.prompts, _params(body), metrics, settings.request_timeout)
+        try:
+            check_priority(body, _engine(worker))
+        except LlamabatchError as e:
+            raise HTTPException(400, str(e)) from None
+        job = await _submit(worker, body.prompts, _params(body), metrics, settings.request_timeout, body.priority)
         reply = Reply(job, _engine(worker), "batch.completion", settings.request_timeout, metrics)
         return await reply.batch(worker, http)
 
@@ -134,7 +155,15 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return rerank_body([row[0] for row in rows], body, _engine(worker).model_name, n_tokens)
 
     app.include_router(tokenizer_routes(lambda: _engine(worker), authorized, _errors))
+    if store is not None:
+        app.include_router(batch_routes(store, worker, authorized, _errors, settings.max_upload))
     return app
+
+
+def _resume_when_loaded(store: Store, worker: EngineWorker) -> None:
+    worker.ready.wait()
+    if worker.engine is not None:
+        resume_batches(store, worker)
 
 
 # -- the OpenAPI document: every answer a route can give -----------------------------------
@@ -154,6 +183,8 @@ class ErrorBody(BaseModel):
 _WHY = {
     400: "Invalid JSON, fields or prompt, or more sequences than --max-queue (OpenAI error body)",
     401: "Missing or wrong API key (only with --api-key)",
+    404: "No file or batch has that id",
+    413: "The upload is larger than --max-upload-mb",
     429: "The queue is full (--max-queue); retry after Retry-After seconds",
     500: "The engine failed while generating the answer (the message says how)",
     503: "The model is loading, failed to load, or the engine has stopped",
@@ -233,12 +264,14 @@ def _params(body: SamplingFields) -> SamplingParams:
         raise HTTPException(400, str(e)) from None
 
 
-async def _submit(worker: EngineWorker, prompts: list, params: SamplingParams, metrics: Metrics, timeout: float) -> Request:
+async def _submit(
+    worker: EngineWorker, prompts: list, params: SamplingParams, metrics: Metrics, timeout: float, priority: int = 0,
+) -> Request:
     """Hand the prompts to the engine and wait until it has taken them (within the request's
     timeout). 429 when the queue is full for now, 400 when the request can never run (a prompt
     refused, more sequences than any queue takes), 503 when the engine has stopped."""
     _engine(worker)
-    job = Request(loop=asyncio.get_running_loop())
+    job = Request(loop=asyncio.get_running_loop(), priority=priority)
     try:
         worker.submit(job, prompts, [params] * len(prompts))
         await asyncio.wait_for(job.submitted, timeout=max(0.0, job.t_start + timeout - time.perf_counter()))

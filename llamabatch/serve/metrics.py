@@ -10,6 +10,9 @@ from ..engine import Sequence
 from .worker import EngineWorker, Observer
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Priority classes, a label on the metrics that differ by entry point: interactive requests, and
+# the Batch API's batches (which run below them).
+CLASSES = ("interactive", "batch")
 
 
 class Metrics:
@@ -17,13 +20,14 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.running = Gauge("llamabatch_sequences_running", "Sequences holding a slot", registry=r)
-        self.queued = Gauge("llamabatch_sequences_queued", "Sequences waiting for a slot", registry=r)
+        self.running = Gauge("llamabatch_sequences_running", "Sequences holding a slot", ["class"], registry=r)
+        self.queued = Gauge("llamabatch_sequences_queued", "Sequences waiting for a slot", ["class"], registry=r)
+        self.batches = Gauge("llamabatch_batches_in_progress", "Batch API batches being run", registry=r)
         self.kv_cells = Gauge("llamabatch_kv_cells_used", "KV cells held by running sequences", registry=r)
         self.finished = Counter("llamabatch_requests_finished", "Requests answered in full", registry=r)
         self.failed = Counter("llamabatch_requests_failed", "Requests refused, cancelled or timed out", registry=r)
         self.prompt_tokens = Counter("llamabatch_prompt_tokens", "Prompt tokens of finished sequences", registry=r)
-        self.generated_tokens = Counter("llamabatch_generated_tokens", "Tokens sampled", registry=r)
+        self.generated_tokens = Counter("llamabatch_generated_tokens", "Tokens sampled", ["class"], registry=r)
         # Speculative decoding, read from the engine's counters when scraped.
         self.drafted = Gauge("llamabatch_draft_tokens", "Speculative tokens verified", registry=r)
         self.accepted = Gauge("llamabatch_draft_tokens_accepted", "Speculative tokens the model agreed with", registry=r)
@@ -33,16 +37,25 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
         )
         self.step_seconds = Histogram("llamabatch_step_seconds", "Time per engine step", buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("llamabatch_time_to_first_token_seconds", "Submission to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "llamabatch_time_to_first_token_seconds", "Submission to first token", ["class"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.preempted = Gauge("llamabatch_priority_preemptions", "Sequences preempted for a better priority", registry=r)
         self.itl = Histogram("llamabatch_inter_token_latency_seconds", "Between a sequence's tokens", buckets=_LATENCY_BUCKETS, registry=r)
 
     def watch(self, worker: EngineWorker) -> None:
         """Gauges read the worker's state when scraped."""
-        self.running.set_function(lambda: worker.running)
-        self.queued.set_function(lambda: worker.queued)
+        for name in CLASSES:  # each class's series exists from the start, at 0
+            self.running.labels(name).set_function(lambda name=name: worker.running_in(name))
+            self.generated_tokens.labels(name)
+            self.ttft.labels(name)
+        self.queued.labels("interactive").set_function(lambda: worker.queued)  # with requests not yet taken
+        self.queued.labels("batch").set_function(lambda: worker.waiting("batch"))
+        self.batches.set_function(lambda: worker.n_batches)
         self.kv_cells.set_function(lambda: sum(s.n_past for s in worker.engine.scheduler.running) if worker.engine else 0)
         stats = lambda: worker.engine.stats if worker.engine else None  # noqa: E731
         self.drafted.set_function(lambda: stats().draft_tokens if stats() else 0)
+        self.preempted.set_function(lambda: stats().priority_preemptions if stats() else 0)
         self.accepted.set_function(lambda: stats().draft_accepted if stats() else 0)
         self.tokens_per_decode.set_function(
             lambda: stats().completion_tokens / stats().decode_calls if stats() and stats().decode_calls else 0
@@ -57,9 +70,9 @@ class Metrics:
             self.step_seconds.observe(seconds)
 
     def _on_token(self, seq: Sequence, since_last: float | None) -> None:
-        self.generated_tokens.inc()
+        self.generated_tokens.labels(seq.priority_class).inc()
         if since_last is None:
-            self.ttft.observe(time.perf_counter() - seq.t_submitted)
+            self.ttft.labels(seq.priority_class).observe(time.perf_counter() - seq.t_submitted)
         else:
             self.itl.observe(since_last)
 

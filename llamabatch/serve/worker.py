@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from ..engine import BatchEngine, Event, SamplingParams, Sequence
 from ..engine.embedding import Pooling
 from ..errors import EngineBroken, LlamabatchError
+from .batch_runs import BatchRun
 
 
 # A client whose stream has this many events it has not read has stopped reading: its
@@ -50,6 +51,7 @@ class Request:
     submitted: asyncio.Future | None = None  # resolves once the engine has taken the prompts
     n_open: int = 0  # sequences that will send events: counted when taken, before any step runs
     t_start: float = field(default_factory=time.perf_counter)
+    priority: int = 0  # lower runs first (scheduler.rank)
 
 
 @dataclass(eq=False)
@@ -84,6 +86,7 @@ class EngineWorker:
         self.ready = threading.Event()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._pooling: list[PoolingRequest] = []  # taken, run after the inbox is drained
+        self._batches: list[BatchRun] = []  # server-side batches in progress, fed between steps
         self._owners: dict[int, tuple[Request, Sequence]] = {}  # sequence uid -> its request, and itself
         self._last_token_at: dict[int, float] = {}
         self._pending = 0  # sequences submitted but not yet taken by the worker thread
@@ -100,17 +103,26 @@ class EngineWorker:
         self._stop.set()
         self._inbox.put(lambda: None)  # wake it
         self._thread.join()
+        for run in self._batches:  # synced, and left in progress: the next start resumes them
+            run.close()
         if self.engine is not None:
             self.engine.close()
 
     @property
     def queued(self) -> int:
-        """Sequences waiting for a slot, including those not yet handed to the engine."""
-        return self._pending + (len(self.engine.scheduler.waiting) if self.engine else 0)
+        """Interactive sequences waiting for a slot, including those not yet handed to the engine
+        (--max-queue bounds these; batch work waits in its batches' files)."""
+        return self._pending + self.waiting("interactive")
+
+    def waiting(self, priority_class: str) -> int:
+        return self.engine.scheduler.waiting.count(priority_class) if self.engine else 0
+
+    def running_in(self, priority_class: str) -> int:
+        return sum(s.priority_class == priority_class for s in list(self.engine.scheduler.running)) if self.engine else 0
 
     @property
-    def running(self) -> int:
-        return len(self.engine.scheduler.running) if self.engine else 0
+    def n_batches(self) -> int:
+        return len(self._batches)
 
     def submit(self, request: Request, prompts: list, params: list[SamplingParams]) -> None:
         """Queue prompts for `request`. Raises TooLarge when no queue could take them all,
@@ -132,6 +144,13 @@ class EngineWorker:
 
     def cancel(self, request: Request) -> None:
         self._inbox.put(lambda: self._cancel(request))
+
+    def run_batch(self, run: BatchRun) -> None:
+        """Feed a started batch's requests into the engine between steps until it is done."""
+        self._inbox.put(lambda: self._add_batch(run))
+
+    def stop_batch(self, batch_id: str, ending: str = "cancelled") -> None:
+        self._inbox.put(lambda: [run.stop(ending) for run in self._batches if run.id == batch_id])
 
     def pool(self, request: PoolingRequest) -> None:
         """Queue texts to embed or pairs to score: a waiting request counts as one in the queue
@@ -157,13 +176,17 @@ class EngineWorker:
             self.ready.set()
         try:
             while not self._stop.is_set():
-                self._drain_inbox(block=not self.engine.has_work)
+                self._drain_inbox(block=not self.engine.has_work and not self._batches)
                 if self._pooling:
                     self._run_pooling()
+                self._each_batch(BatchRun.feed)
                 if self.engine.has_work:
                     self._step()
                 if self.engine.broken is not None:
                     raise EngineBroken(self.engine.broken)
+                for run in [r for r in self._batches if r.finished]:
+                    self._batches.remove(run)
+                    self._each_batch(BatchRun.finish, [run])
         except Exception as e:  # noqa: BLE001 - whatever it was, the requests must hear of it
             self._break(e)
 
@@ -182,6 +205,28 @@ class EngineWorker:
         with self._pending_lock:
             self._pending -= len(self._pooling)
         self._pooling.clear()
+        runs, self._batches = self._batches, []
+        for run in runs:
+            run.fail(self.broken)
+
+    def _add_batch(self, run: BatchRun) -> None:
+        if self.broken is not None:
+            run.fail(self.broken)
+            return
+        self._batches.append(run)
+
+    def _each_batch(self, action: Callable, runs: list[BatchRun] | None = None, *args) -> None:
+        """Do `action` to each batch (default: every one in progress); one that raises (its files
+        cannot be written, say) fails alone, the engine and the other batches go on."""
+        for run in list(self._batches if runs is None else runs):
+            try:
+                action(run, *args)
+            except Exception as e:  # noqa: BLE001 - the batch's API object says why it failed
+                if run in self._batches:
+                    self._batches.remove(run)
+                    for seq in run.job.runner.open_sequences():
+                        self.engine.cancel(seq)
+                run.fail(f"the batch failed: {type(e).__name__}: {e}")
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -199,7 +244,7 @@ class EngineWorker:
             request.loop.call_soon_threadsafe(_resolve, request.submitted, EngineUnavailable(self.broken))
             return
         try:
-            sequences = self.engine.submit(prompts, params)
+            sequences = self.engine.submit(prompts, params, priority=request.priority)
         except Exception as e:  # e.g. a chat template the model cannot render
             request.loop.call_soon_threadsafe(_resolve, request.submitted, e)
             return
@@ -257,17 +302,31 @@ class EngineWorker:
     def _deliver(self, event: Event, now: float) -> None:
         owner = self._owners.get(event.uid)
         if owner is None:
+            self._deliver_to_batch(event, now)
             return
         request, seq = owner
-        if event.token is not None:
-            last = self._last_token_at.get(event.uid)
-            self.observer.on_token(seq, None if last is None else now - last)
-            self._last_token_at[event.uid] = now
+        self._observe(seq, event, now)
         if event.finish_reason is not None:
             self._forget(seq)
         request.loop.call_soon_threadsafe(request.events.put_nowait, event)
         if request.events.qsize() > MAX_UNREAD_EVENTS:
             self._cancel(request)
+
+    def _deliver_to_batch(self, event: Event, now: float) -> None:
+        for run in self._batches:
+            seq = run.job.runner.sequence(event.uid)
+            if seq is not None:
+                self._observe(seq, event, now)
+                if event.finish_reason is not None:
+                    self._forget(seq)
+                    self._each_batch(BatchRun.on_event, [run], event)
+                return
+
+    def _observe(self, seq: Sequence, event: Event, now: float) -> None:
+        if event.token is not None:
+            last = self._last_token_at.get(event.uid)
+            self.observer.on_token(seq, None if last is None else now - last)
+            self._last_token_at[event.uid] = now
 
     def _forget(self, seq: Sequence) -> None:
         self._owners.pop(seq.uid, None)

@@ -1,0 +1,321 @@
+"""OpenAI's Files and Batches API on `llamabatch serve`: upload a JSONL file of requests, create a
+batch over it, poll it, download its output and error files, cancel it. Batches run inside the
+server's engine at batch priority (batch_runs), durable under --data-dir (store)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request as HttpRequest
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, StringConstraints
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from ..errors import LlamabatchError
+from .batch_runs import BATCH_ENDPOINTS, validated_run
+from .store import NotFound, Store, batch_object, page
+from .worker import EngineWorker
+
+UPLOAD_CHUNK_FIELD_BYTES = 1024  # form fields beside the file (purpose) are short
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: StrictStr
+    endpoint: Literal[BATCH_ENDPOINTS]  # type: ignore[valid-type]
+    completion_window: Literal["24h"]  # the only window OpenAI offers
+    metadata: dict[Annotated[str, StringConstraints(strict=True, max_length=64)],
+                   Annotated[str, StringConstraints(strict=True, max_length=512)]] | None = Field(None, max_length=16)
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchError(BaseModel):
+    code: str | None
+    line: int | None
+    message: str | None
+    param: str | None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"]
+    data: list[BatchError]
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    model: str | None
+    errors: BatchErrors | None
+    input_file_id: str
+    completion_window: str
+    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    expires_at: int
+    in_progress_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    usage: dict
+    metadata: dict[str, str] | None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"]
+    data: list[BatchObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+class FileList(BaseModel):
+    object: Literal["list"]
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class UploadForm(BaseModel):
+    """The multipart form POST /v1/files takes (parsed as it streams; documented here)."""
+
+    file: bytes = Field(json_schema_extra={"format": "binary"})
+    purpose: Literal["batch"]
+
+
+def batch_routes(store: Store, worker: EngineWorker, authorized: Callable, errors: Callable, max_upload: int) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(authorized)])
+    model = lambda: worker.engine.model_name if worker.engine else None  # noqa: E731
+
+    @router.post(
+        "/v1/files", response_model=FileObject, responses=errors(400, 401, 413),
+        openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": UploadForm.model_json_schema()}}}},
+    )
+    async def upload(http: HttpRequest) -> dict:
+        file_id, path = store.new_file_path()
+        form = await _receive(http, path, max_upload)
+        try:
+            if form.fields.get("purpose") != "batch":
+                raise HTTPException(400, f"purpose must be 'batch' (the only files this server runs), got {form.fields.get('purpose')!r}")
+            if form.filename is None:
+                raise HTTPException(400, "no 'file' part in the form")
+            problem = await asyncio.to_thread(_jsonl_problem, path)
+            if problem:
+                raise HTTPException(400, f"the file is not JSONL: {problem}")
+        except HTTPException:
+            path.unlink(missing_ok=True)
+            raise
+        return store.add_file(file_id, form.filename, "batch", path).to_openai()
+
+    @router.get("/v1/files", response_model=FileList, responses=errors(400, 401))
+    async def list_files(purpose: str | None = None, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
+                         order: Literal["asc", "desc"] = "desc") -> dict:
+        files, more = _found(lambda: store.files(purpose, limit, after, order == "asc"))
+        return page([f.to_openai() for f in files], more)
+
+    @router.get("/v1/files/{file_id}", response_model=FileObject, responses=errors(401, 404))
+    async def get_file(file_id: str) -> dict:
+        return _found(lambda: store.file(file_id)).to_openai()
+
+    @router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=errors(400, 401, 404))
+    async def delete_file(file_id: str) -> dict:
+        _found(lambda: store.delete_file(file_id))
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    @router.get("/v1/files/{file_id}/content", response_class=FileResponse, responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "The file's bytes"}, **errors(401, 404)})
+    async def file_content(file_id: str):
+        stored = _found(lambda: store.file(file_id))
+        return FileResponse(stored.path, media_type="application/octet-stream", filename=stored.filename)
+
+    @router.post("/v1/batches", response_model=BatchObject, responses=errors(400, 401, 404, 503))
+    async def create_batch(body: BatchCreate) -> dict:
+        source = _found(lambda: store.file(body.input_file_id))
+        if source.purpose != "batch":
+            raise HTTPException(400, f"file {source.id} has purpose {source.purpose!r}: a batch reads a file of purpose 'batch'")
+        if worker.engine is None or worker.broken is not None:
+            raise HTTPException(503, worker.broken or "the model is loading")
+        row = store.add_batch(source.id, body.endpoint, body.metadata)
+        asyncio.get_running_loop().run_in_executor(None, start_batch, store, worker, row)
+        return batch_object(row, model())
+
+    @router.get("/v1/batches/{batch_id}", response_model=BatchObject, responses=errors(401, 404))
+    async def get_batch(batch_id: str) -> dict:
+        return batch_object(_found(lambda: store.batch(batch_id)), model())
+
+    @router.get("/v1/batches", response_model=BatchList, responses=errors(400, 401))
+    async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict:
+        rows, more = _found(lambda: store.batches(limit, after))
+        return page([batch_object(r, model()) for r in rows], more)
+
+    @router.post("/v1/batches/{batch_id}/cancel", response_model=BatchObject, responses=errors(400, 401, 404))
+    async def cancel_batch(batch_id: str) -> dict:
+        row = _found(lambda: store.cancel_batch(batch_id))
+        worker.stop_batch(batch_id)
+        return batch_object(row, model())
+
+    return router
+
+
+def start_batch(store: Store, worker: EngineWorker, row: dict) -> None:
+    """Validate and start a batch (off the event loop: it reads the whole input). Whatever goes
+    wrong fails this batch, stated in its errors, and no other."""
+    try:
+        run = validated_run(store, worker.engine, row)
+    except Exception as e:  # noqa: BLE001 - the input vanished, the disk failed: the batch says so
+        error = {"code": "batch_failed", "line": None, "message": f"{type(e).__name__}: {e}", "param": None}
+        store.update_batch(row["id"], status="failed", errors=[error])
+        return
+    if run is not None:
+        worker.run_batch(run)
+
+
+def resume_batches(store: Store, worker: EngineWorker) -> None:
+    """At start, once the model has loaded: every batch a stopped (or killed) server left unfinished."""
+    for row in store.unfinished_batches():
+        start_batch(store, worker, row)
+
+
+def _found(call: Callable):
+    """The call's answer; 404 for an unknown id, 400 for a refusal."""
+    try:
+        return call()
+    except NotFound as e:
+        raise HTTPException(404, str(e)) from None
+    except LlamabatchError as e:
+        raise HTTPException(400, str(e)) from None
+
+
+class _Form:
+    """A multipart/form-data body as it streams in: the `file` part written to disk, other
+    fields kept (short)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fields: dict[str, str] = {}
+        self.filename: str | None = None
+        self._file = None
+        self._header, self._value = b"", b""
+        self._headers: dict[bytes, bytes] = {}
+        self._name: str | None = None
+        self._data = bytearray()
+
+    def callbacks(self) -> dict:
+        return {
+            "on_part_begin": self._begin, "on_part_data": self._part_data, "on_part_end": self._end,
+            "on_header_field": lambda d, a, b: setattr(self, "_header", self._header + d[a:b]),
+            "on_header_value": lambda d, a, b: setattr(self, "_value", self._value + d[a:b]),
+            "on_header_end": self._header_end, "on_headers_finished": self._headers_done,
+        }
+
+    def _begin(self) -> None:
+        self._headers, self._name, self._data = {}, None, bytearray()
+
+    def _header_end(self) -> None:
+        self._headers[self._header.lower()] = self._value
+        self._header, self._value = b"", b""
+
+    def _headers_done(self) -> None:
+        _, options = parse_options_header(self._headers.get(b"content-disposition", b""))
+        self._name = options.get(b"name", b"").decode(errors="replace")
+        if self._name == "file":
+            self.filename = Path(options.get(b"filename", b"upload.jsonl").decode(errors="replace")).name or "upload.jsonl"
+            self._file = self.path.open("wb")
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._name == "file":
+            self._file.write(data[start:end])
+        elif len(self._data) + end - start > UPLOAD_CHUNK_FIELD_BYTES:
+            raise HTTPException(400, f"form field {self._name!r} is longer than {UPLOAD_CHUNK_FIELD_BYTES} bytes")
+        else:
+            self._data += data[start:end]
+
+    def _end(self) -> None:
+        if self._name == "file":
+            self._file.close()
+            self._file = None
+        elif self._name:
+            self.fields[self._name] = self._data.decode(errors="replace")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+async def _receive(http: HttpRequest, path: Path, limit: int) -> _Form:
+    """Stream the upload to `path`, never holding it whole; 413 past `limit` bytes."""
+    content_type, options = parse_options_header(http.headers.get("content-type", ""))
+    if content_type != b"multipart/form-data" or b"boundary" not in options:
+        raise HTTPException(400, "upload the file as multipart/form-data with fields 'file' and 'purpose'")
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, f"the upload is {int(declared)} bytes, more than the server takes ({limit}; --max-upload-mb)")
+    form = _Form(path)
+    parser = MultipartParser(options[b"boundary"], form.callbacks())
+    received = 0
+    try:
+        async for chunk in http.stream():
+            received += len(chunk)
+            if received > limit:
+                raise HTTPException(413, f"the upload is more than the server takes ({limit} bytes; --max-upload-mb)")
+            parser.write(chunk)
+        parser.finalize()
+    except HTTPException:
+        form.close()
+        path.unlink(missing_ok=True)
+        raise
+    except Exception as e:  # noqa: BLE001 - a malformed body
+        form.close()
+        path.unlink(missing_ok=True)
+        raise HTTPException(400, f"the multipart body cannot be read: {e}") from None
+    form.close()
+    return form
+
+
+def _jsonl_problem(path: Path) -> str | None:
+    """The first line that is not a JSON object (with its number), or None."""
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return f"line {n} is not JSON"
+            if not isinstance(obj, dict):
+                return f"line {n} is not a JSON object"
+    return None
