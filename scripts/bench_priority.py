@@ -62,10 +62,11 @@ def ttft(base: str, args, prompt: str) -> float | None:
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as reply:
         if reply.status_code != 200:
             return None
-        for line in reply.iter_lines():
+        lines = reply.iter_lines()
+        for line in lines:
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
                 first = time.perf_counter() - started
-                for _ in reply.iter_lines():  # read to the end, as a client would
+                for _ in lines:  # read to the end, as a client would
                     pass
                 return first
     return None

@@ -152,3 +152,22 @@ def test_a_low_priority_request_under_a_stream_of_high_priority_ones_is_served(m
     assert low.finish_reason == "length"
     assert high[0].status is Status.WAITING  # the stream had not run dry: aging let low in
     assert time.perf_counter() - started >= 0.2
+
+
+def test_a_better_prioritys_prompt_is_prefilled_without_worse_decoders_beside_it():
+    sched = Scheduler(n_slots=3, n_batch=64)
+    batch_a, batch_b = seq(0, priority=120, t=0.0), seq(1, priority=120, t=0.1)
+    for s in (batch_a, batch_b):
+        sched.add(s)
+    for s in schedule_once(sched):
+        s.n_past, s.tokens = s.n_past + s.n_chunk, [*s.tokens, 7]  # both decoding now
+    urgent = seq(2, priority=0, t=1.0)
+    sched.add(urgent)
+    assert schedule_once(sched) == [urgent]  # its prompt alone: the batch decoders wait a step
+    urgent.n_past, urgent.tokens = urgent.n_past + urgent.n_chunk, [*urgent.tokens, 7]
+    assert schedule_once(sched) == [batch_a, batch_b, urgent]  # then everyone decodes together
+
+
+def schedule_once(sched: Scheduler) -> list[Sequence]:
+    sched.admit()
+    return sched.schedule()

@@ -190,6 +190,8 @@ class Scheduler:
                     self._leaders.remove(seq)
         if self.batch_invariant:
             return self._isolated(generating, prefilling)
+        if prefilling and self.policy == "priority":
+            generating, prefilling = _held_back(generating, prefilling)
         budget, outputs = self.n_batch - len(generating) - reserved, len(generating) + reserved
         for seq in generating:
             seq.n_chunk = 1
@@ -375,6 +377,15 @@ class Scheduler:
 
 
 _by_seq_id = operator.attrgetter("seq_id")
+
+
+def _held_back(generating: list[Sequence], prefilling: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+    """The decoders and prompts that join a step prefilling the best priority's prompt: none of a
+    worse priority. On a CPU each row lengthens the step, and the step is what a waiting
+    request's first token waits for (Gemma 3 270M on 2 cores: 18 ms a step alone, 64 ms beside
+    7 decoding batch sequences); they skip a step per such prompt chunk."""
+    best = min(seq.priority for seq in prefilling)
+    return [seq for seq in generating if seq.priority <= best], [seq for seq in prefilling if seq.priority <= best]
 
 
 def _worth_sharing(seq: Sequence) -> int:
