@@ -15,9 +15,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 from .engine import BatchEngine, SamplingParams, Sequence
 from .engine.native import Vocab
 from .engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED
-
-MAX_PRIORITY = 1000
 from .errors import ConstraintError, LlamabatchError, SamplingError
+
+MAX_PRIORITY = 1000  # |priority|: a thousand levels of aging is over 80 minutes
 
 
 def _json_integer(value):

@@ -16,11 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, StringConstraints
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from ..errors import LlamabatchError
-from .batch_runs import BATCH_ENDPOINTS, validated_run
+from .batch_runs import BATCH_ENDPOINTS, batch_error, validated_run
 from .store import NotFound, Store, batch_object, page
 from .worker import EngineWorker
 
-UPLOAD_CHUNK_FIELD_BYTES = 1024  # form fields beside the file (purpose) are short
+MAX_FIELD_BYTES = 1024  # form fields beside the file (purpose) are short
 
 
 class BatchCreate(BaseModel):
@@ -185,7 +185,7 @@ def batch_routes(store: Store, worker: EngineWorker, authorized: Callable, error
     @router.post("/v1/batches/{batch_id}/cancel", response_model=BatchObject, responses=errors(400, 401, 404))
     async def cancel_batch(batch_id: str) -> dict:
         row = _found(lambda: store.cancel_batch(batch_id))
-        worker.stop_batch(batch_id)
+        worker.cancel_batch(batch_id)
         return batch_object(row, model())
 
     return router
@@ -197,8 +197,7 @@ def start_batch(store: Store, worker: EngineWorker, row: dict) -> None:
     try:
         run = validated_run(store, worker.engine, row)
     except Exception as e:  # noqa: BLE001 - the input vanished, the disk failed: the batch says so
-        error = {"code": "batch_failed", "line": None, "message": f"{type(e).__name__}: {e}", "param": None}
-        store.update_batch(row["id"], status="failed", errors=[error])
+        store.update_batch(row["id"], status="failed", errors=[batch_error("batch_failed", f"{type(e).__name__}: {e}")])
         return
     if run is not None:
         worker.run_batch(run)
@@ -259,8 +258,8 @@ class _Form:
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         if self._name == "file":
             self._file.write(data[start:end])
-        elif len(self._data) + end - start > UPLOAD_CHUNK_FIELD_BYTES:
-            raise HTTPException(400, f"form field {self._name!r} is longer than {UPLOAD_CHUNK_FIELD_BYTES} bytes")
+        elif len(self._data) + end - start > MAX_FIELD_BYTES:
+            raise HTTPException(400, f"form field {self._name!r} is longer than {MAX_FIELD_BYTES} bytes")
         else:
             self._data += data[start:end]
 
@@ -294,13 +293,11 @@ async def _receive(http: HttpRequest, path: Path, limit: int) -> _Form:
                 raise HTTPException(413, f"the upload is more than the server takes ({limit} bytes; --max-upload-mb)")
             parser.write(chunk)
         parser.finalize()
-    except HTTPException:
+    except Exception as e:  # noqa: BLE001 - over the limit, or a malformed body: nothing is kept
         form.close()
         path.unlink(missing_ok=True)
-        raise
-    except Exception as e:  # noqa: BLE001 - a malformed body
-        form.close()
-        path.unlink(missing_ok=True)
+        if isinstance(e, HTTPException):
+            raise
         raise HTTPException(400, f"the multipart body cannot be read: {e}") from None
     form.close()
     return form

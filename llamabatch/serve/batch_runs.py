@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 from ..embeddings_format import EMBEDDINGS_URL
 from ..engine import BatchEngine, Event
@@ -22,7 +23,7 @@ from ..engine.scheduler import BATCH_PRIORITY
 from ..errors import LlamabatchError
 from ..jobs import BatchJob
 from ..jobs.inputs import BadLine, JobRequest, numbered_lines
-from ..jobs.ledger import JsonlLog, find_duplicate
+from ..jobs.ledger import find_duplicate
 from ..jobs.runner import Outcome
 from ..openai_format import ENDPOINTS
 from .store import Store
@@ -47,11 +48,11 @@ def validate(path, endpoint: str) -> tuple[int, list[dict]]:
         nonlocal n_lines
         for n, text in numbered_lines(path):
             n_lines += 1
-            problem = _line_problem(text, endpoint)
+            custom_id, problem = _checked_line(text, endpoint)
             if problem is not None:
                 fail(n, *problem)
-                continue
-            yield json.loads(text)["custom_id"], n
+            else:
+                yield custom_id, n
 
     _, duplicate = find_duplicate(ids)
     if duplicate:
@@ -62,24 +63,30 @@ def validate(path, endpoint: str) -> tuple[int, list[dict]]:
     return n_lines, errors
 
 
-def _line_problem(text: str | None, endpoint: str) -> tuple[str, str, str | None] | None:
+def _checked_line(text: str | None, endpoint: str) -> tuple[str | None, tuple[str, str, str | None] | None]:
+    """(custom_id, None) for a line a batch can run, else (None, (code, message, param))."""
     if text is None:
-        return "invalid_json_line", "the line is not UTF-8 text", None
+        return None, ("invalid_json_line", "the line is not UTF-8 text", None)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        return "invalid_json_line", f"the line is not JSON: {e.msg}", None
+        return None, ("invalid_json_line", f"the line is not JSON: {e.msg}", None)
     if not isinstance(obj, dict):
-        return "invalid_json_line", "the line is not a JSON object", None
+        return None, ("invalid_json_line", "the line is not a JSON object", None)
     if not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
-        return "missing_required_parameter", "each line needs a custom_id string", "custom_id"
+        return None, ("missing_required_parameter", "each line needs a custom_id string", "custom_id")
     if obj.get("method") != "POST":
-        return "invalid_request", f"method must be 'POST', got {obj.get('method')!r}", "method"
+        return None, ("invalid_request", f"method must be 'POST', got {obj.get('method')!r}", "method")
     if obj.get("url") != endpoint:
-        return "mismatched_endpoint", f"url {obj.get('url')!r} is not the batch's endpoint {endpoint!r}", "url"
+        return None, ("mismatched_endpoint", f"url {obj.get('url')!r} is not the batch's endpoint {endpoint!r}", "url")
     if not isinstance(obj.get("body"), dict):
-        return "missing_required_parameter", "each line needs a body object", "body"
-    return None
+        return None, ("missing_required_parameter", "each line needs a body object", "body")
+    return obj["custom_id"], None
+
+
+def batch_error(code: str, message: str) -> dict:
+    """One entry of a failed batch's errors.data, for the batch as a whole (no line)."""
+    return {"code": code, "line": None, "message": message, "param": None}
 
 
 @dataclass(eq=False)
@@ -96,7 +103,7 @@ class BatchRun:
     input_tokens: int = 0
     output_tokens: int = 0
     ending: str | None = None  # "cancelled" or "expired" once told to stop early
-    _saved_at: float = field(default=0.0)
+    _saved_at: float = 0.0  # when the counts last reached SQLite (monotonic)
 
     @classmethod
     def start(cls, store: Store, engine: BatchEngine, row: dict) -> BatchRun:
@@ -153,8 +160,7 @@ class BatchRun:
     def fail(self, message: str) -> None:
         """The engine stopped (or the files could not be written): the batch fails, what it wrote kept."""
         self.job.close()
-        errors = [{"code": "engine_failed", "line": None, "message": message, "param": None}]
-        self.store.update_batch(self.id, status="failed", errors=errors, **self._counts(), **self._publish())
+        self.store.update_batch(self.id, status="failed", errors=[batch_error("engine_failed", message)], **self._counts(), **self._publish())
 
     def close(self) -> None:
         """The server is stopping: files synced, the batch left in progress for the next start."""
@@ -188,9 +194,13 @@ class BatchRun:
         return ids
 
 
-def _lines(path) -> int:
-    """Lines an earlier run wrote (read after prepare() cut any torn tail)."""
-    return sum(1 for _ in JsonlLog(path).recorded("custom_id"))
+def _lines(path: Path) -> int:
+    """Lines an earlier run wrote: prepare() has read them all and cut any torn tail, so each
+    line is a whole record and counting them is enough."""
+    if not path.exists():
+        return 0
+    with path.open("rb") as f:
+        return sum(1 for _ in f)
 
 
 def validated_run(store: Store, engine: BatchEngine, row: dict) -> BatchRun | None:
@@ -209,5 +219,5 @@ def validated_run(store: Store, engine: BatchEngine, row: dict) -> BatchRun | No
     try:
         return BatchRun.start(store, engine, row)
     except LlamabatchError as e:
-        store.update_batch(row["id"], status="failed", errors=[{"code": "invalid_request", "line": None, "message": str(e), "param": None}])
+        store.update_batch(row["id"], status="failed", errors=[batch_error("invalid_request", str(e))])
         return None

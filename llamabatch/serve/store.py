@@ -24,6 +24,7 @@ from ..errors import LlamabatchError
 
 # A batch may still be running (or resumed) in these states; the others are final.
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+_UNFINISHED_SQL = f"status IN ({', '.join(repr(status) for status in UNFINISHED)})"
 COMPLETION_WINDOW_S = 24 * 3600  # "24h", the only window OpenAI offers
 
 _SCHEMA = """
@@ -128,10 +129,7 @@ class Store:
         """Refused while an unfinished batch reads it (a restarted server would find it gone)."""
         stored = self.file(file_id)
         with self._sql() as db:
-            user = db.execute(
-                f"SELECT id FROM batches WHERE input_file_id = ? AND status IN ({','.join('?' * len(UNFINISHED))})",
-                (file_id, *UNFINISHED),
-            ).fetchone()
+            user = db.execute(f"SELECT id FROM batches WHERE input_file_id = ? AND {_UNFINISHED_SQL}", (file_id,)).fetchone()
             if user is not None:
                 raise LlamabatchError(f"file {file_id} is the input of batch {user['id']}, which has not finished: cancel it first")
             db.execute("DELETE FROM files WHERE id = ?", (file_id,))
@@ -168,9 +166,7 @@ class Store:
 
     def unfinished_batches(self) -> list[dict]:
         with self._sql() as db:
-            rows = db.execute(
-                f"SELECT * FROM batches WHERE status IN ({','.join('?' * len(UNFINISHED))}) ORDER BY rowid", UNFINISHED
-            ).fetchall()
+            rows = db.execute(f"SELECT * FROM batches WHERE {_UNFINISHED_SQL} ORDER BY rowid").fetchall()
         return [dict(r) for r in rows]
 
     def update_batch(self, batch_id: str, **fields) -> None:

@@ -149,8 +149,8 @@ class EngineWorker:
         """Feed a started batch's requests into the engine between steps until it is done."""
         self._inbox.put(lambda: self._add_batch(run))
 
-    def stop_batch(self, batch_id: str, ending: str = "cancelled") -> None:
-        self._inbox.put(lambda: [run.stop(ending) for run in self._batches if run.id == batch_id])
+    def cancel_batch(self, batch_id: str) -> None:
+        self._inbox.put(lambda: [run.stop("cancelled") for run in self._batches if run.id == batch_id])
 
     def pool(self, request: PoolingRequest) -> None:
         """Queue texts to embed or pairs to score: a waiting request counts as one in the queue
