@@ -14,7 +14,7 @@ from pydantic import Field, StrictBool, StrictStr
 from .engine import BatchEngine
 from .engine.embedding import Pooling, finish
 from .errors import LlamabatchError
-from .openai_format import Body, NonEmptyStr, TokenIds, integer
+from .openai_format import Body, NonEmptyStr, Text, TokenIds, integer
 
 EMBEDDINGS_URL = "/v1/embeddings"  # the endpoint, and the url of its lines in a batch file
 # OpenAI's limit on inputs per request (and vLLM's): a longer list is split by the caller.
@@ -26,7 +26,7 @@ class EmbeddingRequest(Body):
     longer than an embedding takes instead of refusing it."""
 
     model: StrictStr | None = None
-    input: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]  # an empty text is refused by name, later
+    input: Text | TokenIds | list[Text] | list[TokenIds]  # an empty text is refused by name, later
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: integer(ge=1) | None = None
     user: StrictStr | None = None  # accepted, not used, as in completions

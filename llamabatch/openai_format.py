@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
 
 from .engine import BatchEngine, SamplingParams, Sequence
 from .engine.native import Vocab
@@ -49,7 +49,19 @@ def _bounds(*pairs) -> list:
     return [kind(value) for kind, value in zip(pairs[::2], pairs[1::2]) if value is not None]
 
 
-NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+def _unicode(text: str) -> str:
+    """JSON lets a string escape half a surrogate pair (\\ud800), which no UTF-8 text holds: the
+    tokenizer could not take it."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode: a lone surrogate ({text[e.start]!r}) at character {e.start}") from None
+    return text
+
+
+# Text the model reads (prompts, messages, inputs): a string that is valid Unicode.
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1), AfterValidator(_unicode)]
 TokenIdKey = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,9}$")]  # OpenAI's logit_bias keys: token ids as text
 # A chat answer with no max_tokens runs until the sequence's context is full ("length"), as
 # OpenAI's, vLLM's and llama-server's do; the engine ends it there.
@@ -226,12 +238,12 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 
 class TextPart(Body):
     type: Literal["text"]
-    text: StrictStr
+    text: Text
 
 
 class ChatMessage(Body):
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: StrictStr | list[TextPart]
+    content: Text | list[TextPart]
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
     # What the official clients send back when an earlier answer is appended to the messages:

@@ -292,3 +292,23 @@ def test_a_server_with_a_draft_model_answers_as_without_and_counts_drafts(serve,
     assert answers(fast) == answers(client)
     assert metric(fast_base, "llamabatch_draft_tokens") >= 8
     assert metric(fast_base, "llamabatch_draft_tokens_accepted") > 0.9 * metric(fast_base, "llamabatch_draft_tokens")
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\ud800"}]}]}'),
+    ("/v1/embeddings", '{"input": "a\\ud800b"}'),
+    ("/tokenize", '{"prompt": "a\\ud800b"}'),
+    ("/tokenize", '{"content": "a\\ud800b"}'),
+])
+def test_half_a_surrogate_pair_is_refused_not_a_server_error(base, path, body):
+    """JSON can escape a lone surrogate, which no UTF-8 text holds: 400, never 500."""
+    reply = httpx.post(base + path, content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_json_schema_llguidance_cannot_read_is_refused_not_a_server_error(base):
+    body = {"prompt": "x", "max_tokens": 2, "json_schema": {"type": "integer", "maximum": 2**70}}
+    reply = httpx.post(f"{base}/v1/completions", json=body)
+    assert reply.status_code == 400 and "invalid JSON schema" in reply.json()["error"]["message"]

@@ -53,7 +53,10 @@ class Constraint:
     def llguidance_grammar(self) -> str:
         if self.kind == "json_schema":
             schema = bounded_formats(json.loads(self.source))
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+            except ValueError as e:  # e.g. an integer past 64 bits, which llguidance cannot read
+                raise ConstraintError(f"invalid JSON schema: {e}") from None
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         if self.kind == "choice":  # JSON string literals are Lark string literals too

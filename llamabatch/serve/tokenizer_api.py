@@ -11,20 +11,20 @@ from pydantic import BaseModel, Field, StrictBool, StrictStr
 
 from ..engine import BatchEngine
 from ..errors import LlamabatchError
-from ..openai_format import TokenId
+from ..openai_format import Text, TokenId
 
 
 class VllmTokenize(BaseModel):
     """vLLM's shape."""
 
-    prompt: StrictStr
+    prompt: Text
     add_special_tokens: StrictBool = True
 
 
 class LlamaServerTokenize(BaseModel):
     """llama-server's shape."""
 
-    content: StrictStr
+    content: Text
     add_special: StrictBool = False
 
 
