@@ -16,6 +16,15 @@ GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter for a model: --lora names it, a request chooses it by name."""
+
+    name: str
+    path: Path
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One catalog entry: where the GGUF comes from, and the engine defaults for it."""
 
@@ -31,6 +40,7 @@ class ModelSpec:
     gpu_layers: int = -1  # -1 = all; CPU builds ignore it
     chat: bool = False
     chat_template: str | None = None  # a llama.cpp built-in template name, for GGUFs without one
+    adapters: tuple[AdapterSpec, ...] = ()  # LoRA adapters made for this model
 
     @property
     def source(self) -> str:
@@ -111,6 +121,28 @@ def _spec(name: str, entry: dict, base: Path | None) -> ModelSpec:
     if ("path" in entry) == ("package" in entry):
         raise ModelError(f"model {name!r} in catalog: give exactly one of 'path' or 'package'")
     if "path" in entry:
-        path = Path(entry["path"]).expanduser()
-        entry = {**entry, "path": path if path.is_absolute() or base is None else base / path}
+        entry = {**entry, "path": _relative_to(base, entry["path"])}
+    if "adapters" in entry:
+        entry = {**entry, "adapters": _adapters(name, entry["adapters"], base)}
     return ModelSpec(name=name, **entry)
+
+
+def _relative_to(base: Path | None, text: str) -> Path:
+    path = Path(text).expanduser()
+    return path if path.is_absolute() or base is None else base / path
+
+
+def _adapters(model: str, table: object, base: Path | None) -> tuple[AdapterSpec, ...]:
+    """[models.NAME.adapters]: `name = "path.gguf"` or `name = { path = "...", scale = 0.5 }`."""
+    if not isinstance(table, dict):
+        raise ModelError(f"model {model!r} in catalog: adapters must be a table of name = path")
+    specs = []
+    for name, value in table.items():
+        entry = {"path": value} if isinstance(value, str) else value
+        if not isinstance(entry, dict) or set(entry) - {"path", "scale"} or not isinstance(entry.get("path"), str):
+            raise ModelError(f"model {model!r} in catalog: adapter {name!r} must be a path, or {{ path = ..., scale = ... }}")
+        scale = entry.get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise ModelError(f"model {model!r} in catalog: adapter {name!r} has a scale that is not a number")
+        specs.append(AdapterSpec(name, _relative_to(base, entry["path"]), float(scale)))
+    return tuple(specs)

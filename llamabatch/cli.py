@@ -64,6 +64,12 @@ ReplicasOpt = Annotated[Optional[str], typer.Option("--replicas", metavar="N|aut
 SharePrefixesOpt = Annotated[
     Optional[bool], typer.Option("--share-prefixes/--no-share-prefixes", help="Copy common prompt prefixes' KV instead of decoding them again.")
 ]
+LoraOpt = Annotated[Optional[list[str]], typer.Option(
+    "--lora", metavar="PATH[:SCALE]", help="A LoRA adapter applied to every sequence that asks for none (repeatable; a catalog adapter's NAME works too).",
+)]
+CacheTypeKOpt = Annotated[Optional[str], typer.Option("--cache-type-k", "-ctk", help="KV cache type of K: f16 (default), q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1, bf16, f32.")]
+CacheTypeVOpt = Annotated[Optional[str], typer.Option("--cache-type-v", "-ctv", help="KV cache type of V (as --cache-type-k; a quantized V needs flash attention).")]
+FlashAttnOpt = Annotated[Optional[str], typer.Option("--flash-attn", "-fa", metavar="auto|on|off", help="Flash attention (auto: where the backend has it).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Write JSON Lines to stdout.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log.")]
 
@@ -133,6 +139,10 @@ def run(
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    lora: LoraOpt = None,
+    cache_type_k: CacheTypeKOpt = None,
+    cache_type_v: CacheTypeVOpt = None,
+    flash_attn: FlashAttnOpt = None,
     kv_unified: KvUnifiedOpt = None,
     share_prefixes: SharePrefixesOpt = None,
     deterministic: DeterministicOpt = None,
@@ -247,6 +257,10 @@ def batch(
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    lora: LoraOpt = None,
+    cache_type_k: CacheTypeKOpt = None,
+    cache_type_v: CacheTypeVOpt = None,
+    flash_attn: FlashAttnOpt = None,
     kv_unified: KvUnifiedOpt = None,
     share_prefixes: SharePrefixesOpt = None,
     deterministic: DeterministicOpt = None,
@@ -334,6 +348,10 @@ def embed(
     config: CatalogOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    lora: LoraOpt = None,
+    cache_type_k: CacheTypeKOpt = None,
+    cache_type_v: CacheTypeVOpt = None,
+    flash_attn: FlashAttnOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the final summary as one JSON object.")] = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -432,6 +450,10 @@ def score(
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    lora: LoraOpt = None,
+    cache_type_k: CacheTypeKOpt = None,
+    cache_type_v: CacheTypeVOpt = None,
+    flash_attn: FlashAttnOpt = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -492,6 +514,8 @@ def plan(
     memory: Annotated[Optional[str], typer.Option("--memory", help="The memory to plan for, e.g. 4GiB (default: what is free now).")] = None,
     kv_unified: Annotated[bool, typer.Option("--kv-unified/--no-kv-unified", help="Plan one KV buffer shared by all sequences.")] = EngineConfig.kv_unified,
     ubatch_size: UbatchOpt = None,
+    cache_type_k: CacheTypeKOpt = None,
+    cache_type_v: CacheTypeVOpt = None,
     check: Annotated[bool, typer.Option(help="Create the planned context and compare with the KV buffer llama.cpp allocates.")] = False,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
@@ -499,13 +523,14 @@ def plan(
     """How much KV cache each token costs, and the largest --parallel that fits the memory budget."""
     planned, shape = plan_for(
         model, catalog=config, ctx_per_seq=ctx_per_seq, memory=memory_budget(memory), kv_unified=kv_unified,
-        n_ubatch=ubatch_size, verbose=verbose,
+        n_ubatch=ubatch_size, cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose,
     )
     row = {**asdict(planned), "n_ctx": planned.n_ctx, "total_bytes": planned.total_bytes, **asdict(shape),
-           "kv_bytes_per_token": shape.bytes_per_token}
+           "kv_bytes_per_token": shape.bytes_per_token, "cache_type_k": cache_type_k or "f16", "cache_type_v": cache_type_v or "f16"}
     if check:
         planned_options = EngineOptions(model=model, config=config, parallel=planned.n_parallel, ctx=planned.n_ctx,
-                                        ubatch_size=ubatch_size, kv_unified=kv_unified, verbose=verbose)
+                                        ubatch_size=ubatch_size, kv_unified=kv_unified, cache_type_k=cache_type_k,
+                                        cache_type_v=cache_type_v, verbose=verbose)
         with BatchEngine(**planned_options.engine_kwargs()) as engine:
             row["allocated_kv_bytes"] = engine.ctx.kv_bytes
     if json_out:
@@ -530,6 +555,10 @@ def sweep(
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    lora: LoraOpt = None,
+    cache_type_k: CacheTypeKOpt = None,
+    cache_type_v: CacheTypeVOpt = None,
+    flash_attn: FlashAttnOpt = None,
     kv_unified: KvUnifiedOpt = None,
     deterministic: DeterministicOpt = None,
     speculative: SpeculativeOpt = None,
@@ -609,6 +638,10 @@ def serve(
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    lora: LoraOpt = None,
+    cache_type_k: CacheTypeKOpt = None,
+    cache_type_v: CacheTypeVOpt = None,
+    flash_attn: FlashAttnOpt = None,
     kv_unified: KvUnifiedOpt = None,
     share_prefixes: SharePrefixesOpt = None,
     deterministic: DeterministicOpt = None,

@@ -224,7 +224,8 @@ def models_table(rows: list[dict]) -> None:
 def plan_table(row: dict) -> None:
     """`llamabatch plan`: what the KV cache costs and how many sequences fit."""
     mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
-    kv = f"{row['kv_bytes_per_token']:,} B per token in {row['full_layers']} full-attention layers"
+    kv = (f"{row['kv_bytes_per_token']:,} B per token (K {row['cache_type_k']}, V {row['cache_type_v']}) "
+          f"in {row['full_layers']} full-attention layers")
     if row["swa_layers"]:
         kv += f"; {row['swa_layers']} sliding-window layers keep {row['n_swa']} tokens + a ubatch per sequence"
     lines = [

@@ -36,3 +36,7 @@ class EngineBroken(LlamabatchError):
 
 class ConstraintError(LlamabatchError, ValueError):
     """A JSON schema, grammar, regular expression or choice list that cannot be compiled."""
+
+
+class UnknownModel(LlamabatchError, ValueError):
+    """A request names a model (or LoRA adapter) this engine does not serve: OpenAI's 404."""

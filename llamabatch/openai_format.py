@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from .engine import BatchEngine, SamplingParams, Sequence
 from .engine.native import Vocab
 from .engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED
-from .errors import ConstraintError, LlamabatchError, SamplingError
+from .errors import ConstraintError, LlamabatchError, SamplingError, UnknownModel
 
 MAX_PRIORITY = 1000  # |priority|: a thousand levels of aging is over 80 minutes
 
@@ -120,6 +120,13 @@ class StructuredOutputs(Body):
         return {k: v for k, v in given.items() if v is not None}
 
 
+class LoraEntry(Body):
+    """One adapter of llama-server's `lora` field: its id (GET /lora-adapters) and scale."""
+
+    id: integer(ge=0)
+    scale: number()
+
+
 class SamplingFields(Body):
     """OpenAI's sampling fields (their defaults), llama.cpp's top_k and min_p, vLLM's
     prompt_logprobs. The ranges are declared, so the OpenAPI document says what is accepted."""
@@ -146,6 +153,9 @@ class SamplingFields(Body):
     # (serve --scheduling-policy priority; waiting ages it, so no value starves)
     priority: integer(ge=-MAX_PRIORITY, le=MAX_PRIORITY) = 0
     stream_options: StreamOptions | None = None
+    # llama-server's LoRA choice: these adapters at these scales, every other at 0 (without it,
+    # the server's --lora set). vLLM's way is `model`: an adapter's name, as /v1/models lists it.
+    lora: list[LoraEntry] | None = None
     # Constrained output, in each peer's shape: OpenAI, llama-server, vLLM. At most one.
     response_format: ResponseFormat | None = None
     grammar: NonEmptyStr | None = None  # llama-server: GBNF
@@ -306,11 +316,34 @@ def check_priority(body: SamplingFields, engine: BatchEngine) -> None:
         raise SamplingError(f"priority {body.priority} needs --scheduling-policy priority (this engine schedules {engine.config.scheduling})")
 
 
+def request_params(body: SamplingFields, engine: BatchEngine) -> SamplingParams:
+    """The SamplingParams a request body runs with on this engine, its adapters chosen by its
+    `model` and `lora` fields. Raises UnknownModel for a model not served here, else a
+    LlamabatchError naming the problem (a value out of range, a priority under fcfs)."""
+    check_priority(body, engine)
+    lora = None if body.lora is None else [(entry.id, entry.scale) for entry in body.lora]
+    return replace(body.params(), adapters=engine.adapters.choose(body.model, lora, {engine.model_name}))
+
+
+def check_base_model(model: str | None, engine: BatchEngine) -> None:
+    """Embeddings and reranking come from the served model (with its --lora set): a request that
+    names an adapter is refused, not answered from another model than it asked for."""
+    if model is not None and model != engine.model_name:
+        if engine.adapters.named(model) is None:
+            engine.adapters.choose(model, None, {engine.model_name})  # raises UnknownModel
+        raise LlamabatchError(f"model {model!r} is a LoRA adapter: adapters are chosen per request for generation, not embeddings")
+
+
+def refusal_status(error: LlamabatchError) -> int:
+    """The HTTP status (and job-line status) of a request refused with this error."""
+    return 404 if isinstance(error, UnknownModel) else 400
+
+
 def engine_inputs(body: SamplingFields, engine: BatchEngine) -> tuple[list[str | list[int]], SamplingParams]:
     """The prompts and sampling parameters the engine runs for a request body. Raises a
-    LlamabatchError naming the problem (empty prompt, value out of range, no chat template)."""
-    check_priority(body, engine)
-    params = body.params()
+    LlamabatchError naming the problem (empty prompt, value out of range, no chat template,
+    an unknown model: UnknownModel)."""
+    params = request_params(body, engine)
     if isinstance(body, ChatRequest):
         messages = [m.rendered() for m in body.messages]
         rendered = engine.model.apply_chat_template(messages, engine.chat_template)

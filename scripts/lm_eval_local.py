@@ -109,6 +109,7 @@ def main() -> None:
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
+        served = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]  # requests must name the model served
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
             items = folder / "items.jsonl"
@@ -117,7 +118,7 @@ def main() -> None:
                 (folder / f"{name}.yaml").write_text(TASK.format(name=name, items=items, rest=rest))
             subprocess.run(
                 [sys.executable, "-m", "lm_eval", "--model", "local-completions",
-                 "--model_args", f"model={args.model or 'default'},base_url={base}/v1/completions,num_concurrent=1,max_retries=1",
+                 "--model_args", f"model={served},base_url={base}/v1/completions,num_concurrent=1,max_retries=1",
                  "--tasks", "llamabatch_mc,llamabatch_gen", "--include_path", str(folder), "--batch_size", "4"],
                 check=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
             )

@@ -96,6 +96,7 @@ async def main_async(args) -> dict:
     return {
         "base_url": args.base_url, "clients": args.clients, "requests": len(outcomes), "completed": len(done),
         "hung_up": sum(o.hung_up for o in outcomes), "errors": sum(o.error is not None for o in outcomes),
+        "error_kinds": sorted({o.error for o in outcomes if o.error is not None}),
         "incomplete": sum(o.tokens != args.max_tokens for o in done),
         "wall_s": round(wall, 3), "requests_per_s": round(len(done) / wall, 3),
         "output_tokens_per_s": round(sum(o.tokens for o in done) / wall, 2),
@@ -108,7 +109,7 @@ async def main_async(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default="default")
+    parser.add_argument("--model", default=None, help="the model to name in requests (default: the server's first in /v1/models)")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=4, help="per client")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -120,6 +121,9 @@ def main() -> None:
     args = parser.parse_args()
     if not args.base_url.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
         parser.error("loopback only: --base-url must be http://127.0.0.1:PORT or http://localhost:PORT")
+    if args.model is None:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        args.model = httpx.get(f"{args.base_url}/v1/models", headers=headers).json()["data"][0]["id"]
     report = asyncio.run(main_async(args))
     if args.json:
         print(json.dumps(report))

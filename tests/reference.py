@@ -6,13 +6,17 @@ step decodes one token per sequence, seq_id = prompt position, and takes the arg
 
 from __future__ import annotations
 
+import ctypes
+
 import llama_cpp
 import numpy as np
 
 
 def reference_greedy(
-    model_path, prompts: list[list[int]], n_steps: int, *, n_ctx: int, n_batch: int, n_threads: int
+    model_path, prompts: list[list[int]], n_steps: int, *, n_ctx: int, n_batch: int, n_threads: int,
+    lora: list[tuple[str, float]] = (),
 ) -> list[list[int]]:
+    """`lora`: (adapter path, scale) pairs, loaded and set on the context here, as llama.cpp's tools do."""
     mparams = llama_cpp.llama_model_default_params()
     model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
     cparams = llama_cpp.llama_context_default_params()
@@ -22,7 +26,13 @@ def reference_greedy(
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+    adapters = [llama_cpp.llama_adapter_lora_init(model, str(path).encode()) for path, _ in lora]
     try:
+        if adapters:
+            assert all(adapters)
+            handles = (llama_cpp.llama_adapter_lora_p_ctypes * len(adapters))(*adapters)
+            scales = (ctypes.c_float * len(lora))(*(scale for _, scale in lora))
+            assert llama_cpp.llama_set_adapters_lora(ctx, handles, len(adapters), scales) == 0
         rows, n = [], 0
         for seq_id, tokens in enumerate(prompts):
             for pos, token in enumerate(tokens):
@@ -50,6 +60,8 @@ def reference_greedy(
     finally:
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
+        for adapter in adapters:
+            llama_cpp.llama_adapter_lora_free(adapter)
         llama_cpp.llama_model_free(model)
 
 

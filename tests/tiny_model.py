@@ -119,3 +119,51 @@ def write_tiny_model(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tiny_lora(
+    path: Path, *, n_embd: int = 64, n_layer: int = 2, n_ff: int = 128, rank: int = 4, alpha: float = 4.0,
+    seed: int = 1, scale: float = 0.5, arch: str = "llama",
+) -> Path:
+    """Write a LoRA adapter for write_tiny_model's model (same sizes): random low-rank deltas on
+    every attention and feed-forward matrix, strong enough to change greedy tokens."""
+    shapes = {"attn_q": (n_embd, n_embd), "attn_k": (n_embd, n_embd), "attn_v": (n_embd, n_embd),
+              "attn_output": (n_embd, n_embd), "ffn_gate": (n_ff, n_embd), "ffn_up": (n_ff, n_embd), "ffn_down": (n_embd, n_ff)}
+    targets = [(f"blk.{i}.{name}.weight", n_out, n_in) for i in range(n_layer) for name, (n_out, n_in) in shapes.items()]
+    return _write_lora(path, arch, targets, rank=rank, alpha=alpha, scale=scale, seed=seed)
+
+
+LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def write_lora_for(model: Path, path: Path, *, rank: int = 8, scale: float = 0.05, seed: int = 1) -> Path:
+    """Write a random LoRA adapter for any GGUF model (the default model too): low-rank deltas on
+    its attention and feed-forward matrices, shaped from the model's own tensors."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(model))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    targets = []
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in LORA_TARGETS and parts[3] == "weight":
+            targets.append((tensor.name, int(tensor.shape[1]), int(tensor.shape[0])))  # ggml's order: ne0 is the input
+    return _write_lora(path, arch, targets, rank=rank, alpha=float(rank), scale=scale, seed=seed)
+
+
+def _write_lora(path: Path, arch: str, targets: list[tuple[str, int, int]], *, rank: int, alpha: float, scale: float, seed: int) -> Path:
+    """(weight name, outputs, inputs) each get `<weight>.lora_a` (rank x inputs) and `.lora_b`
+    (outputs x rank), as llama.cpp's converter stores them: W' = W + s * alpha / rank * B @ A."""
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), arch)
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", alpha)
+    for name, n_out, n_in in targets:
+        w.add_tensor(f"{name}.lora_a", (rng.standard_normal((rank, n_in)) * scale).astype(np.float32))
+        w.add_tensor(f"{name}.lora_b", (rng.standard_normal((n_out, rank)) * scale).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

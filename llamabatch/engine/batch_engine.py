@@ -6,11 +6,13 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 
 from ..catalog import Catalog
+from .adapters import Adapters
 from .config import EngineConfig
 from .constraints import Constraint, Grammars
 from .drafters import DraftModel, Drafter, NgramDrafter
@@ -65,6 +67,10 @@ class BatchEngine:
         draft_max: int | None = None,
         embed_pack: int | None = None,
         scheduling: str | None = None,
+        lora: Iterable[str | Path] | None = None,
+        cache_type_k: str | None = None,
+        cache_type_v: str | None = None,
+        flash_attn: str | None = None,
         chat: bool | None = None,
         verbose: bool = False,
     ) -> None:
@@ -74,7 +80,8 @@ class BatchEngine:
             spec, n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
             n_threads=n_threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
             deterministic=deterministic, speculative=speculative, draft_model=None if draft_model is None else str(draft_model),
-            draft_max=draft_max, embed_pack=embed_pack, scheduling=scheduling, chat=chat, verbose=verbose,
+            draft_max=draft_max, embed_pack=embed_pack, scheduling=scheduling, lora=None if lora is None else tuple(map(str, lora)),
+            cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn, chat=chat, verbose=verbose,
         )
         draft_path = models.resolve(self.config.draft_model).gguf_path() if self.config.draft_model else None
         self.model_name = spec.name
@@ -84,23 +91,21 @@ class BatchEngine:
         cfg = self.config
         if cfg.deterministic:  # kernels that do not change with the number of rows; see README
             use_row_invariant_matmul()
-        self.model = Model(path, cfg.gpu_layers, repack=not cfg.deterministic)
         # Deterministic mode needs a second KV stream even for one slot: fillers decode there.
         n_streams = max(cfg.n_parallel, 2) if cfg.deterministic else cfg.n_parallel
-        try:
+        with ExitStack() as undo:  # a handle that fails to load frees those made before it
+            self.model = Model(path, cfg.gpu_layers, repack=not cfg.deterministic)
+            undo.callback(self.model.close)
+            self.adapters = Adapters(self.model, spec.adapters, cfg.lora)
+            undo.callback(self.adapters.close)
             self.ctx = Context(
                 self.model, n_ctx=cfg.n_ctx * n_streams // cfg.n_parallel, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
                 n_seq_max=n_streams, n_threads=cfg.n_threads, kv_unified=cfg.kv_unified,
+                cache_type_k=cfg.cache_type_k, cache_type_v=cfg.cache_type_v, flash_attn=cfg.flash_attn,
             )
-        except Exception:
-            self.model.close()
-            raise
-        try:
+            undo.callback(self.ctx.close)
             self.drafter = self._drafter(draft_path)
-        except Exception:
-            self.ctx.close()
-            self.model.close()
-            raise
+            undo.pop_all()  # loaded: close() frees them from now on
         self.vocab = self.model.vocab
         self.batch = Batch(self.ctx.n_batch)
         # Float weights go through llamafile's sgemm from 2 rows and ggml's vec_dot for 1, which
@@ -171,9 +176,11 @@ class BatchEngine:
             raise SamplingError(f"logit_bias: token {params.logit_bias[-1][0]} is outside the vocabulary (0..{self.vocab.n_vocab - 1})")
         constraint = Constraint.of(params)
         matchers = [self.grammars.matcher(constraint) for _ in range(params.n)] if constraint else [None] * params.n
+        adapters = self.adapters.default if params.adapters is None else params.adapters
+        self.adapters.check(adapters)
         sequences = [self._new_sequence(index, k, prompt, tokens, p) for k, p in enumerate(params.per_sample())]
         for seq, matcher in zip(sequences, matchers):
-            seq.matcher = matcher
+            seq.matcher, seq.adapters = matcher, adapters
             seq.priority, seq.priority_class = priority, priority_class
             seq.score_from = -1 if score_from is None else score_from
             if params.max_tokens == 0 and score_from is None:  # nothing to generate, nothing to score: done
@@ -255,6 +262,8 @@ class BatchEngine:
             seq.n_chunk += len(seq.draft)  # its last token, then the drafts
         if not scheduled:
             return
+        if self.adapters.apply(self.ctx, scheduled[0].adapters):  # the scheduler gives a step one set
+            self.stats.adapter_switches += 1
         try:
             self._decode(scheduled)
         except DecodeError as e:
@@ -357,6 +366,7 @@ class BatchEngine:
                 self.model, chosen, n_threads=cfg.n_threads, pack_tokens=cfg.embed_pack,
                 max_texts=1 if cfg.deterministic else MAX_TEXTS_PER_DECODE,
             )
+            self.adapters.attach(embedder.ctx, self.adapters.default)  # the vectors of the model generation uses
         return embedder
 
     def embed(
@@ -404,6 +414,8 @@ class BatchEngine:
         # costs from the planner (and a draft model's cost from it altogether).
         if any(s.is_prefilling or s.leader is not None for s in generating):
             return None
+        if any(s.adapters != generating[0].adapters for s in generating):
+            return None  # the step will decode one adapter set's sequences: drafts only when all share one
         eligible = [s for s in generating if s.matcher is None and (isinstance(s.sampler, GreedySampler) or s.params.verifiable)]
         if not eligible:
             return None
@@ -714,6 +726,7 @@ class BatchEngine:
             embedder.close()
         self.batch.close()
         self.ctx.close()
+        self.adapters.close()  # before the model, which would free them itself
         self.model.close()
 
     def __enter__(self) -> BatchEngine:

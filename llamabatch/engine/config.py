@@ -9,6 +9,14 @@ import llama_cpp
 
 from ..catalog import ModelSpec
 from ..errors import ConfigError
+from .native import CACHE_TYPES, FLASH_ATTN
+
+UNQUANTIZED = ("f32", "f16", "bf16")  # cache types that need no flash attention
+
+
+def unknown_cache_type(option: str, value: str) -> str:
+    return f"--{option.replace('_', '-')} must be one of {', '.join(CACHE_TYPES)}, got {value!r}"
+
 
 # llama.cpp rounds each sequence's share of a non-unified KV cache up to a multiple of
 # 256 cells, so a smaller share silently allocates more memory than --ctx asked for.
@@ -48,12 +56,21 @@ class EngineConfig:
     # ones; "fcfs": submission order, no preemption (vLLM's --scheduling-policy). Sequences of
     # one priority (every command but serve) run in submission order under both.
     scheduling: str = "priority"
+    # LoRA adapters (PATH[:SCALE], or NAME[:SCALE] of one the catalog declares for the model):
+    # loaded with the model and applied to every sequence that does not choose its own.
+    lora: tuple[str, ...] = ()
+    # KV cache element types (llama.cpp's -ctk/-ctv) and flash attention, which a quantized V
+    # cache needs: q8_0 stores 8.5 bits a value instead of f16's 16, so about 1.9x the tokens fit.
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: str = "auto"  # "auto": llama.cpp turns it on where the backend supports it
     chat: bool = False
     verbose: bool = False
 
     def __post_init__(self) -> None:
         if self.n_threads == 0:
             object.__setattr__(self, "n_threads", os.cpu_count() or 1)
+        object.__setattr__(self, "lora", tuple(str(text) for text in self.lora))
         for problem in self._problems():
             raise ConfigError(problem)
 
@@ -113,5 +130,12 @@ class EngineConfig:
             yield f"--scheduling-policy must be 'priority' or 'fcfs', got {self.scheduling!r}"
         if self.draft_max < 1:
             yield f"--draft-max must be >= 1, got {self.draft_max}"
+        for name in ("cache_type_k", "cache_type_v"):
+            if getattr(self, name) not in CACHE_TYPES:
+                yield unknown_cache_type(name, getattr(self, name))
+        if self.flash_attn not in FLASH_ATTN:
+            yield f"--flash-attn must be 'auto', 'on' or 'off', got {self.flash_attn!r}"
+        elif self.flash_attn == "off" and self.cache_type_v in CACHE_TYPES and self.cache_type_v not in UNQUANTIZED:
+            yield f"a quantized V cache (--cache-type-v {self.cache_type_v}) needs flash attention: use --flash-attn auto or on"
         if self.gpu_layers < -1:
             yield f"gpu_layers must be -1 (all) or >= 0, got {self.gpu_layers}"

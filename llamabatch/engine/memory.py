@@ -4,7 +4,7 @@ The sizes mirror llama.cpp's own rules (llama-context.cpp, llama-kv-cache-iswa.c
 context is padded to 256 cells; a per-sequence cache gives every sequence n_ctx / n_parallel
 cells (padded); sliding-window layers keep only min(n_ctx_seq, n_swa + n_ubatch) cells per
 stream (n_swa * n_parallel + n_ubatch when unified); every cell of a layer holds K and V for
-its KV heads in f16.
+its KV heads, each in its cache type (f16 by default; q8_0 is 34 bytes per 32 values).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import llama_cpp
 
 from ..catalog import Catalog
 from ..errors import ConfigError
-from .native import Model, init_backend
+from .config import unknown_cache_type
+from .native import CACHE_TYPES, Model, init_backend
 
 CELL_PAD = 256
-F16_BYTES = 2
 
 
 def pad(n: int) -> int:
@@ -33,11 +33,11 @@ class KvShape:
 
     full_layers: int
     swa_layers: int
-    cell_bytes: int  # K + V of one layer for one cell
+    cell_bytes: float  # K + V of one layer for one cell (a quantized type packs values in blocks)
     n_swa: int  # the window, in tokens (0 = no sliding-window layers)
 
     @classmethod
-    def of(cls, model: Model) -> KvShape:
+    def of(cls, model: Model, cache_type_k: str = "f16", cache_type_v: str = "f16") -> KvShape:
         h = model.handle
         arch = model.meta("general.architecture")
         head_default = llama_cpp.llama_model_n_embd(h) // llama_cpp.llama_model_n_head(h)
@@ -48,14 +48,14 @@ class KvShape:
         n_swa_layers = sum(model.swa_layers) if model.swa_layers else 0
         return cls(
             full_layers=n_layer - n_swa_layers, swa_layers=n_swa_layers,
-            cell_bytes=llama_cpp.llama_model_n_head_kv(h) * (k + v) * F16_BYTES,
+            cell_bytes=llama_cpp.llama_model_n_head_kv(h) * (k * CACHE_TYPES[cache_type_k][1] + v * CACHE_TYPES[cache_type_v][1]),
             n_swa=llama_cpp.llama_model_n_swa(h) if n_swa_layers else 0,
         )
 
     @property
     def bytes_per_token(self) -> int:
         """What each token of context costs in the full-attention layers (windows are bounded)."""
-        return self.full_layers * self.cell_bytes
+        return round(self.full_layers * self.cell_bytes)
 
     def cells(self, n_ctx: int, n_parallel: int, kv_unified: bool, n_ubatch: int) -> tuple[int, int]:
         """Cells llama.cpp allocates per full-attention layer and per sliding-window layer."""
@@ -66,7 +66,7 @@ class KvShape:
 
     def kv_bytes(self, n_ctx: int, n_parallel: int, kv_unified: bool, n_ubatch: int) -> int:
         full, swa = self.cells(n_ctx, n_parallel, kv_unified, n_ubatch)
-        return (full * self.full_layers + swa * self.swa_layers) * self.cell_bytes
+        return round((full * self.full_layers + swa * self.swa_layers) * self.cell_bytes)
 
 
 @dataclass(frozen=True)
@@ -123,18 +123,22 @@ def plan(
 def plan_for(
     model: str | Path | None = None, *, catalog: str | Path | None = None, ctx_per_seq: int | None = None,
     memory: int | None = None, kv_unified: bool = False, n_ubatch: int | None = None,
-    max_parallel: int | None = None, verbose: bool = False,
+    max_parallel: int | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
+    verbose: bool = False,
 ) -> tuple[Plan, KvShape]:
     """Plan a catalog model (or GGUF path): by default each sequence gets the catalog's
     per-sequence context, and the budget is the memory available now plus what this process
     already holds. The budget covers the whole process: Python and its libraries too."""
+    for option, value in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
+        if value is not None and value not in CACHE_TYPES:
+            raise ConfigError(unknown_cache_type(option, value))
     spec = Catalog.load(catalog).resolve(model)
     if memory is None and llama_cpp.llama_supports_gpu_offload() and spec.gpu_layers != 0:
         raise ConfigError("this llama.cpp offloads to a GPU: give --memory, the GPU memory to plan for")
     init_backend(verbose)
     process = current_rss()
     with Model(spec.gguf_path(), gpu_layers=0) as loaded:
-        shape = KvShape.of(loaded)
+        shape = KvShape.of(loaded, cache_type_k or "f16", cache_type_v or "f16")
         result = plan(
             loaded, shape, ctx_per_seq or spec.n_ctx // spec.parallel, memory or available_memory() + process,
             kv_unified=kv_unified, n_ubatch=n_ubatch or spec.n_ubatch, max_parallel=max_parallel, process_bytes=process,

@@ -268,16 +268,50 @@ class Model(_Owner):
             buf = ctypes.create_string_buffer(size)
 
 
+class LoraAdapter(_Owner):
+    """A LoRA adapter loaded for a model; free it before the model (llama.cpp's model frees the
+    adapters still attached to it, and a second free would be a double one)."""
+
+    kind = "LoRA adapter"
+
+    def __init__(self, model: Model, path: Path) -> None:
+        with _log.capture() as log:
+            handle = llama_cpp.llama_adapter_lora_init(model.handle, str(path).encode())
+        if not handle:
+            why = next((line.split("failed to apply lora adapter: ")[-1] for line in log if "failed to apply lora" in line), "")
+            raise ModelError(f"llama.cpp could not load the LoRA adapter {path}: {why or 'see --verbose'}")
+        super().__init__(handle)
+        self.path = path
+
+    def _free(self, handle) -> None:
+        llama_cpp.llama_adapter_lora_free(handle)
+
+
+# KV cache element types llama.cpp accepts for --cache-type-k/-v (llama-server's list), with
+# their bytes per stored value: ggml's block bytes over block length.
+CACHE_TYPES: dict[str, tuple[int, float]] = {
+    "f32": (llama_cpp.GGML_TYPE_F32, 4.0), "f16": (llama_cpp.GGML_TYPE_F16, 2.0), "bf16": (30, 2.0),  # GGML_TYPE_BF16 (not bound)
+    "q8_0": (llama_cpp.GGML_TYPE_Q8_0, 34 / 32), "q4_0": (llama_cpp.GGML_TYPE_Q4_0, 18 / 32),
+    "q4_1": (llama_cpp.GGML_TYPE_Q4_1, 20 / 32), "iq4_nl": (llama_cpp.GGML_TYPE_IQ4_NL, 18 / 32),
+    "q5_0": (llama_cpp.GGML_TYPE_Q5_0, 22 / 32), "q5_1": (llama_cpp.GGML_TYPE_Q5_1, 24 / 32),
+}
+FLASH_ATTN = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+              "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+
 class Context(_Owner):
     kind = "context"
 
     def __init__(
         self, model: Model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
         n_threads: int, kv_unified: bool, pooling: int | None = None,
+        cache_type_k: str = "f16", cache_type_v: str = "f16", flash_attn: str = "auto",
     ) -> None:
         """`pooling` (a llama_pooling_type) makes an embedding context: every row is an output,
         and each sequence's pooled vector is read with embedding()."""
         params = llama_cpp.llama_context_default_params()
+        params.type_k, params.type_v = CACHE_TYPES[cache_type_k][0], CACHE_TYPES[cache_type_v][0]
+        params.flash_attn_type = FLASH_ATTN[flash_attn]
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_ubatch = min(n_ubatch, n_batch)
@@ -292,11 +326,19 @@ class Context(_Owner):
         with _log.capture() as log:
             handle = llama_cpp.llama_init_from_model(model.handle, params)
         if not handle:
+            # llama.cpp's refusals (a cache type the model's heads cannot take, ...) come last.
+            refused = [line.split(": ", 1)[-1] for line in log if line.startswith("llama_init_from_model: ")]
             raise ConfigError(
+                f"llama.cpp could not create a context: {refused[-1]}" if refused else
                 f"llama.cpp could not create a context (n_ctx={n_ctx}, parallel={n_seq_max}, n_batch={n_batch}); "
                 "lower --ctx or --parallel (--verbose shows why)"
             )
         super().__init__(handle)
+        self.cache_types = (cache_type_k, cache_type_v)
+        # What auto resolved to, as the context logs it (a quantized V cache turns it on before any probe).
+        text = "\n".join(log)
+        enabled = "Flash Attention enabled" in text or "enabling flash_attn" in text
+        self.flash_attn = "off" if "Flash Attention not supported" in text else "on" if enabled else flash_attn
         self._memory = llama_cpp.llama_get_memory(handle)
         self.n_ctx = llama_cpp.llama_n_ctx(handle)
         self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(handle)
@@ -309,6 +351,13 @@ class Context(_Owner):
 
     def _free(self, handle) -> None:
         llama_cpp.llama_free(handle)
+
+    def set_adapters(self, adapters: list[LoraAdapter], scales: list[float]) -> None:
+        """The LoRA adapters every later decode applies, each at its scale (none: the base model).
+        One set per context: llama.cpp has no per-sequence adapters."""
+        handles = (llama_cpp.llama_adapter_lora_p_ctypes * len(adapters))(*(a.handle for a in adapters))
+        if llama_cpp.llama_set_adapters_lora(self.handle, handles, len(adapters), (ctypes.c_float * len(scales))(*scales)) != 0:
+            raise ModelError("llama.cpp refused the LoRA adapter set (llama_set_adapters_lora)")
 
     def decode(self, batch: Batch) -> None:
         global _decoded

@@ -38,6 +38,10 @@ class EngineOptions:
     draft_max: int | None = None
     embed_pack: int | None = None
     scheduling_policy: str | None = None
+    lora: list[str] | None = None  # PATH[:SCALE] or a catalog adapter's NAME[:SCALE], each
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+    flash_attn: str | None = None
     chat: bool | None = None
     verbose: bool = False
 
@@ -60,7 +64,8 @@ class EngineOptions:
             n_ubatch=self.ubatch_size, n_threads=self.threads, gpu_layers=self.gpu_layers, kv_unified=self.kv_unified,
             share_prefixes=self.share_prefixes, deterministic=self.deterministic, speculative=self.speculative,
             draft_model=self.draft_model, draft_max=self.draft_max, embed_pack=self.embed_pack,
-            scheduling=self.scheduling_policy, chat=self.chat, verbose=self.verbose,
+            scheduling=self.scheduling_policy, lora=self.lora, cache_type_k=self.cache_type_k,
+            cache_type_v=self.cache_type_v, flash_attn=self.flash_attn, chat=self.chat, verbose=self.verbose,
         )
 
     def _check(self) -> None:
@@ -89,7 +94,8 @@ class EngineOptions:
         kv_unified = EngineConfig.kv_unified if self.kv_unified is None else self.kv_unified
         planned, _ = plan_for(
             self.model, catalog=self.config, ctx_per_seq=self.ctx_per_seq, memory=memory_budget(self.memory), kv_unified=kv_unified,
-            n_ubatch=self.ubatch_size, max_parallel=n_sequences, verbose=self.verbose,
+            n_ubatch=self.ubatch_size, max_parallel=n_sequences, cache_type_k=self.cache_type_k,
+            cache_type_v=self.cache_type_v, verbose=self.verbose,
         )
         return planned.n_parallel, planned.n_ctx
 

@@ -7,11 +7,14 @@ keys its prefix cache by hashed blocks. A lookup walks the prompt's keys until o
 its cost grows with the shared length, not with the number of holders. The last BLOCK - 1
 tokens of a match are compared directly, and the chosen holder's prefix is verified token by
 token, so a hash collision can cost a missed share but never a wrong one.
+
+A holder's namespace (the LoRA adapters its KV was computed under) seeds its hashes, and is
+compared too: a prefix is only shared within one namespace.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
 
 BLOCK = 8  # keys every BLOCK tokens; matches up to BLOCK - 1 tokens past a key are found by comparison
@@ -20,11 +23,11 @@ MAX_EXTENDED = 8  # holders a lookup compares, deepest keys first: a few suffice
 H = TypeVar("H")
 
 
-def prefix_keys(tokens: list[int]) -> Iterator[tuple[int, int]]:
+def prefix_keys(tokens: list[int], namespace: Hashable = ()) -> Iterator[tuple[int, int]]:
     """(k, key of tokens[:k]) for k = 1 .. BLOCK - 1, then every multiple of BLOCK."""
     for k in range(1, min(len(tokens), BLOCK - 1) + 1):
-        yield k, hash(tuple(tokens[:k]))
-    key = 0
+        yield k, hash((namespace, *tokens[:k]))
+    key = hash(namespace)
     for k in range(BLOCK, len(tokens) + 1, BLOCK):
         key = hash((key, *tokens[k - BLOCK : k]))
         yield k, key
@@ -33,8 +36,9 @@ def prefix_keys(tokens: list[int]) -> Iterator[tuple[int, int]]:
 class PrefixIndex(Generic[H]):
     """Holders filed by the prefixes of their token lists."""
 
-    def __init__(self, tokens_of: Callable[[H], list[int]]) -> None:
+    def __init__(self, tokens_of: Callable[[H], list[int]], namespace_of: Callable[[H], Hashable] = lambda holder: ()) -> None:
         self._tokens_of = tokens_of
+        self._namespace_of = namespace_of
         self._holders: dict[int, dict[H, None]] = {}  # key -> holders, in insertion order
         self._keys: dict[H, list[int]] = {}  # holder -> its keys, to remove it
 
@@ -46,7 +50,7 @@ class PrefixIndex(Generic[H]):
 
     def add(self, holder: H) -> None:
         keys = self._keys[holder] = []
-        for _, key in prefix_keys(self._tokens_of(holder)):
+        for _, key in prefix_keys(self._tokens_of(holder), self._namespace_of(holder)):
             self._holders.setdefault(key, {})[holder] = None
             keys.append(key)
 
@@ -61,11 +65,11 @@ class PrefixIndex(Generic[H]):
         self._holders.clear()
         self._keys.clear()
 
-    def matches(self, tokens: list[int]) -> Iterator[tuple[int, H]]:
+    def matches(self, tokens: list[int], namespace: Hashable = ()) -> Iterator[tuple[int, H]]:
         """(shared length, holder) pairs, longest shares first; each holder once, and at most
         MAX_EXTENDED of them, so a lookup costs the same however many holders share a prefix."""
         found: list[tuple[int, dict[H, None]]] = []
-        for k, key in prefix_keys(tokens):
+        for k, key in prefix_keys(tokens, namespace):
             holders = self._holders.get(key)
             if holders is None:
                 break
@@ -78,7 +82,8 @@ class PrefixIndex(Generic[H]):
                     break
                 if holder not in seen:
                     seen.add(holder)
-                    ranked.append((self._shared(tokens, holder, depth), holder))
+                    shared = self._shared(tokens, holder, depth) if self._namespace_of(holder) == namespace else 0
+                    ranked.append((shared, holder))
             ranked.sort(key=lambda pair: -pair[0])  # stable: ties keep insertion order
             yield from ranked
             if len(seen) == MAX_EXTENDED:

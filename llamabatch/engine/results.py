@@ -105,6 +105,7 @@ class RunStats:
     prompt_tokens_reused: int = 0  # prompt tokens whose KV came from another sequence or a slot's cache
     draft_tokens: int = 0  # speculative tokens verified
     draft_accepted: int = 0  # of which the model agreed with
+    adapter_switches: int = 0  # steps that decoded another LoRA adapter set than the step before
     first_step_at: float | None = None
     last_step_at: float | None = None
 
@@ -143,6 +144,7 @@ class RunStats:
             "failed_steps": self.failed_steps,
             "incomplete_structured": self.incomplete_structured,
             "draft_tokens": self.draft_tokens,
+            "adapter_switches": self.adapter_switches,
             "draft_acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_decode": round(self.completion_tokens / self.decode_calls, 3) if self.decode_calls else 0.0,
             "wall_s": round(self.wall_s, 4),

@@ -9,6 +9,7 @@ import llama_cpp
 import numpy as np
 
 from ..errors import SamplingError
+from .adapters import adapter_set
 from .native import SamplerChain
 from .results import PromptScore, TokenLogprob
 
@@ -43,6 +44,9 @@ class SamplingParams:
     grammar: str | None = None  # a GBNF grammar (llama.cpp's format)
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # exactly one of these strings
+    # LoRA adapters to decode under, as (adapter id, scale) pairs (llama-server's `lora` field;
+    # ids absent are off). None: the engine's default, its --lora adapters.
+    adapters: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         # Lists from JSON or the CLI become tuples, a schema its JSON text, so params stay hashable
@@ -55,6 +59,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
             object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)) or None)
+        if self.adapters is not None:
+            object.__setattr__(self, "adapters", adapter_set(self.adapters))  # raises SamplingError itself
         for problem in self._problems():
             raise SamplingError(f"invalid sampling parameter: {problem}")
 

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .adapters import BASE, AdapterSet
 from .prefix_index import PrefixIndex
 from .results import PromptScore
 from .sequence import Sequence, Status
@@ -101,6 +102,7 @@ class Slot:
 
     seq_id: int
     cached: list[int] = field(default_factory=list)  # tokens at positions 0.. whose KV it holds
+    adapters: AdapterSet = BASE  # the LoRA adapters that KV was computed under
 
 
 class Scheduler:
@@ -146,8 +148,12 @@ class Scheduler:
         self._slots: dict[int, Slot] = {}  # seq_id -> slot of each running sequence
         # Who holds which prefix, looked up without a scan: free slots' cached KV, and running
         # sequences that have not sampled yet (once decoding, they hold their whole prompt and lead no one).
-        self._cached: PrefixIndex[Slot] = PrefixIndex(lambda slot: slot.cached)
-        self._leaders: PrefixIndex[Sequence] = PrefixIndex(lambda seq: seq.tokens)
+        # Both are keyed by adapter set too: KV computed under other adapters is another KV.
+        self._cached: PrefixIndex[Slot] = PrefixIndex(lambda slot: slot.cached, lambda slot: slot.adapters)
+        self._leaders: PrefixIndex[Sequence] = PrefixIndex(lambda seq: seq.tokens, lambda seq: seq.adapters)
+        # LoRA adapter sets take turns (llama.cpp decodes one set per step): the step each last had.
+        self._turn = 0
+        self._last_turn: dict[AdapterSet, int] = {}
         # After the KV cache ran full, admitting more would only fill it again: wait until
         # a running sequence finishes and frees its cells.
         self._kv_full = False
@@ -188,6 +194,8 @@ class Scheduler:
                 generating.append(seq)
                 if seq in self._leaders:  # its prompt is in: it can no longer lead
                     self._leaders.remove(seq)
+        if any(seq.adapters != self.running[0].adapters for seq in self.running):
+            generating, prefilling = self._one_adapter_set(generating, prefilling)
         if self.batch_invariant:
             return self._isolated(generating, prefilling)
         if prefilling and self.policy == "priority":
@@ -208,6 +216,19 @@ class Scheduler:
             outputs += len(seq.scored_rows(seq.n_past, n)) + 1
             scheduled.append(seq)
         return sorted(scheduled, key=_by_seq_id)  # rows in seq_id order: see _take_slot
+
+    def _one_adapter_set(self, generating: list[Sequence], prefilling: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """The rows of one adapter set: the set whose sequences have waited longest, weighted by
+        how many they are, so each sequence gets about the same share of steps whatever its set
+        (a set of 6 beside a set of 2 runs 3 steps in 4), and none waits for ever."""
+        sizes = Counter(seq.adapters for seq in generating + prefilling)
+        if len(sizes) < 2:
+            return generating, prefilling
+        self._turn += 1
+        chosen = max(sizes, key=lambda key: sizes[key] * (self._turn - self._last_turn.get(key, 0)))
+        self._last_turn = {key: turn for key, turn in self._last_turn.items() if key in sizes}
+        self._last_turn[chosen] = self._turn
+        return [s for s in generating if s.adapters == chosen], [s for s in prefilling if s.adapters == chosen]
 
     def _fit_outputs(self, seq: Sequence, n: int, outputs: int) -> int:
         """Shrink a scored prompt's chunk so its logits rows fit what the step has left of
@@ -263,7 +284,7 @@ class Scheduler:
             self.waiting.remove(seq)
         else:
             cached = seq.tokens[: seq.n_past] if self.share_prefixes else []  # the engine frees unshared KV
-            self._free_slot(self._give_back_slot(seq), cached)
+            self._free_slot(self._give_back_slot(seq), cached, seq.adapters)
         seq.status = Status.FINISHED
         self._kv_full = False
 
@@ -320,7 +341,7 @@ class Scheduler:
         only consecutive seq_ids in one ubatch, so dense low ids keep a step to one graph."""
         best, n_best = None, 0
         if self.share_prefixes and seq.swapped is None:
-            n, slot = next(self._cached.matches(seq.tokens), (0, None))
+            n, slot = next(self._cached.matches(seq.tokens, seq.adapters), (0, None))
             if n >= _worth_sharing(seq):
                 best, n_best = slot, n
         if best is None:
@@ -332,8 +353,8 @@ class Scheduler:
         self._slots[best.seq_id] = best
         return best, n_best
 
-    def _free_slot(self, slot: Slot, cached: list[int]) -> None:
-        slot.cached = cached
+    def _free_slot(self, slot: Slot, cached: list[int], adapters: AdapterSet = BASE) -> None:
+        slot.cached, slot.adapters = cached, adapters
         self._free[slot.seq_id] = slot
         heapq.heappush(self._free_ids, slot.seq_id)
         if len(self._free_ids) > 2 * (len(self._free) + len(self._slots)):  # stale ids: start again
@@ -362,7 +383,7 @@ class Scheduler:
         a solo run's; a partial copy would change how the rest of its prompt is computed."""
         n_best = max(seq.n_past, 0)
         whole_only = not self.share_prefixes
-        for n, other in self._leaders.matches(seq.tokens):
+        for n, other in self._leaders.matches(seq.tokens, seq.adapters):
             if whole_only and not n == len(seq.tokens) == len(other.tokens):
                 continue
             if n == len(seq.tokens) and len(other.tokens) > n:

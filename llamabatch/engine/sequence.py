@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .adapters import BASE, AdapterSet
 from .native import SamplerChain
 from .results import PromptScore, Result, Timings, TokenLogprob
 from .sampling import GreedySampler, SamplingParams
@@ -68,6 +69,7 @@ class Sequence:
     # (scheduler.rank); the class names the entry point, for metrics ("interactive", "batch").
     priority: int = 0
     priority_class: str = "interactive"
+    adapters: AdapterSet = BASE  # the LoRA adapters it decodes under (its KV is theirs)
     swapped: bytes | None = None  # its KV (n_past positions), saved to host memory while preempted
     finish_reason: str | None = None  # "stop", "length", "error" or "cancelled"
     error: str | None = None

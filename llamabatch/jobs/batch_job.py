@@ -105,7 +105,7 @@ class BatchJob:
         embedding = replace(embed or EmbedSettings(), one_per_line=vectors)
         self.runner = RequestRunner(engine, self.format, window, incomplete_errors, embedding, priority=priority)
         self.settings = job_settings(engine.model_name, engine.model.path, engine.config, self.format, self.base,
-                                     embed and embedding)
+                                     embed and embedding, engine.adapters.chosen)
 
     def _vector_output(self, embed: EmbedSettings | None) -> None:
         """A .parquet output is a folder of parts; a .npy output is assembled from one at the end."""

@@ -20,10 +20,11 @@ from pydantic import TypeAdapter, ValidationError
 from ..engine import SamplingParams
 from ..errors import LlamabatchError
 from ..embeddings_format import EMBEDDINGS_URL, EmbeddingRequest
-from ..openai_format import ENDPOINTS, SamplingFields, validation_message
+from ..openai_format import ENDPOINTS, LoraEntry, SamplingFields, validation_message
 
 STDIN = "-"
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} - {"adapters"}  # a line chooses adapters by model/lora
+_LORA = TypeAdapter(list[LoraEntry])
 _OPENAI_FIELDS = {"custom_id", "method", "url", "body"}
 _PARAMS = TypeAdapter(SamplingParams)  # checks each field's type, then SamplingParams its range
 
@@ -50,6 +51,8 @@ class JobRequest:
     body: SamplingFields | None = None
     prompt: str | None = None  # llamabatch formats
     params: SamplingParams | None = None
+    model: str | None = None  # JSONL: the served model or an adapter's name (vLLM's way)
+    lora: tuple[tuple[int, float], ...] | None = None  # JSONL: llama-server's lora field, as pairs
     embedding: EmbeddingRequest | None = None  # texts to embed (a /v1/embeddings line, an "input" line, an embed job's text)
 
 
@@ -217,14 +220,20 @@ class LineParser:
         prompt = obj.get("prompt")
         if not isinstance(prompt, str):
             return BadLine(id_, n, digest, "expected an object with a string 'prompt'")
-        unknown = set(obj) - _SAMPLING_FIELDS - {"prompt", "id"}
+        unknown = set(obj) - _SAMPLING_FIELDS - {"prompt", "id", "model", "lora"}
         if unknown:
             return BadLine(id_, n, digest, f"unknown field {sorted(unknown)[0]!r}: llamabatch does not support it", status=400)
+        model = obj.get("model")
+        if model is not None and not isinstance(model, str):
+            return BadLine(id_, n, digest, "model must be a string: the served model or an adapter's name", status=400)
         try:
             params = jsonl_params(self.base, {k: v for k, v in obj.items() if k in _SAMPLING_FIELDS})
+            lora = None if obj.get("lora") is None else tuple((e.id, e.scale) for e in _LORA.validate_python(obj["lora"]))
+        except ValidationError as e:
+            return BadLine(id_, n, digest, f"lora: {validation_message(e)}", status=400)
         except LlamabatchError as e:
             return BadLine(id_, n, digest, str(e), status=400)
-        return JobRequest(id_, n, digest, prompt=prompt, params=params)
+        return JobRequest(id_, n, digest, prompt=prompt, params=params, model=model, lora=lora)
 
 
 def jsonl_params(base: SamplingParams, fields_: dict) -> SamplingParams:

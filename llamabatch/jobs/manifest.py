@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..catalog import AdapterSpec
 from ..embeddings_format import EmbedSettings
 from ..engine import EngineConfig, SamplingParams
 from ..errors import LlamabatchError
 from .inputs import Format
 
-FINGERPRINT_BYTES = 4 << 20  # read at each end of a model file: its header, and its last tensors
+FINGERPRINT_BYTES = 4 << 20
+# Settings recorded since a later version: what an older manifest's job ran with.
+_RECORDED_SINCE = {"cache_types": ["f16", "f16"], "adapters": []}  # read at each end of a model file: its header, and its last tensors
 
 
 def model_fingerprint(path: Path) -> str:
@@ -32,10 +36,11 @@ def model_fingerprint(path: Path) -> str:
 
 def job_settings(
     model_name: str, model_path: Path, config: EngineConfig, fmt: Format, base: SamplingParams,
-    embed: EmbedSettings | None = None,
+    embed: EmbedSettings | None = None, adapters: Iterable[tuple[AdapterSpec, bool]] = (),
 ) -> dict:
     """What must match for a resumed run to continue the same job (an embedding job's pooling
-    and normalisation among them)."""
+    and normalisation among them; the LoRA adapters loaded, in id order, each with its scale and
+    whether it applies by default)."""
     return {
         "model": model_name,
         "model_fingerprint": model_fingerprint(model_path),
@@ -47,6 +52,8 @@ def job_settings(
         # threads, batch sizes or speculation.
         "chat": config.chat,
         "deterministic": config.deterministic,
+        "cache_types": [config.cache_type_k, config.cache_type_v],
+        "adapters": [[spec.name, model_fingerprint(spec.path), spec.scale, applied] for spec, applied in adapters],
         **({"embedding": embed.manifest()} if embed is not None else {}),
     }
 
@@ -84,7 +91,7 @@ def _differences(recorded: dict, current: dict) -> list[str]:
     """'key old -> new' for each setting that changed, sampling defaults one by one."""
     changed = []
     for key, value in current.items():
-        old = recorded.get(key)
+        old = recorded.get(key, _RECORDED_SINCE.get(key))
         if isinstance(old, dict) and isinstance(value, dict):
             changed += [f"{k} {old.get(k)!r} -> {v!r}" for k, v in value.items() if old.get(k) != v]
         elif old != value:

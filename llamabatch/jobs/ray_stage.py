@@ -28,6 +28,7 @@ from ray.data.block import BlockMetadata
 
 from ..catalog import Catalog
 from ..engine import BatchEngine, EngineConfig, SamplingParams
+from ..engine.adapters import chosen_adapters
 from ..errors import LlamabatchError
 from .batch_job import BatchJob, JobSummary, Stopped
 from .inputs import STDIN, BadLine, Format, JobRequest, LineParser, numbered_lines, peek_id
@@ -150,7 +151,8 @@ class RayBatchJob(BatchJob):
         spec = Catalog.load(engine.get("catalog")).resolve(engine.get("model"))
         # The driver checks the model and settings before the cluster loads them: the actors' engines' config.
         config = EngineConfig.for_model(spec, **{k: v for k, v in engine.items() if k not in ("model", "catalog")})
-        self.settings = job_settings(spec.name, spec.gguf_path(), config, self.format, self.base)
+        self.settings = job_settings(spec.name, spec.gguf_path(), config, self.format, self.base,
+                                     adapters=chosen_adapters(spec.adapters, config.lora))
         self.parallel = config.n_parallel
         self.engine_options = engine
         self.incomplete_errors = incomplete_errors

@@ -21,7 +21,7 @@ def result_record(fmt: Format, request: JobRequest, sequences: Seq[Sequence], en
     """A finished request's output line."""
     if fmt is Format.OPENAI:
         kind = ENDPOINTS[request.url][1]
-        body = response_body(kind, new_id(kind), created, engine.model_name, sequences, engine.vocab, request.body.shown())
+        body = response_body(kind, new_id(kind), created, request.body.model or engine.model_name, sequences, engine.vocab, request.body.shown())
         return {"id": _batch_id(), "custom_id": request.id,
                 "response": {"status_code": 200, "request_id": _request_id(), "body": body}, "error": None,
                 "request_digest": request.digest}
@@ -49,9 +49,9 @@ def embedding_record(
 
 def error_record(fmt: Format, item: JobRequest | BadLine, message: str, status: int | None) -> dict:
     """A failed request's error line. `status` is what the server would answer for the same body
-    (400 invalid, 500 failed while generating), or None for a line that is not a request at all;
+    (400 invalid, 404 a model not served, 500 failed while generating), or None for a line that is not a request at all;
     in OpenAI's format a status comes with the server's error body, as OpenAI writes HTTP errors."""
-    code = {None: "invalid_line", 400: "invalid_request"}.get(status, "generation_failed")
+    code = {None: "invalid_line", 400: "invalid_request", 404: "model_not_found"}.get(status, "generation_failed")
     error = {"code": code, "message": message, "line": item.line}
     if fmt is not Format.OPENAI:
         return {"id": item.id, "line": item.line, "error": error, "request_digest": item.digest}

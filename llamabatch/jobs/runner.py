@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from ..engine import BatchEngine, Event, Sequence, Status
+from ..engine import BatchEngine, Event, SamplingParams, Sequence, Status
 from ..errors import LlamabatchError
-from ..openai_format import engine_inputs, failure, usage
+from ..openai_format import check_base_model, engine_inputs, failure, refusal_status, usage
 from .inputs import BadLine, Format, JobRequest
 from ..embeddings_format import EmbedSettings, embedding_tokens
 from .records import embedding_record, error_record, incomplete_record, result_record
@@ -141,7 +141,7 @@ class RequestRunner:
         req = _Open(request)
         try:
             prompts, params = (
-                engine_inputs(request.body, self.engine) if request.body is not None else ([request.prompt], request.params)
+                engine_inputs(request.body, self.engine) if request.body is not None else ([request.prompt], self._params(request))
             )
             for i, prompt in enumerate(prompts):
                 try:
@@ -152,7 +152,7 @@ class RequestRunner:
         except LlamabatchError as e:
             for seq in req.sequences:
                 self.engine.cancel(seq)
-            yield self._failure(request, str(e), 400)
+            yield self._failure(request, str(e), refusal_status(e))
             return
         open_sequences = [seq for seq in req.sequences if seq.finish_reason is None]  # max_tokens 0 ends some at once
         if not open_sequences:
@@ -163,15 +163,23 @@ class RequestRunner:
         for seq in open_sequences:
             self._open[seq.uid] = req
 
+    def _params(self, request: JobRequest) -> SamplingParams:
+        """A JSONL line's params, its adapters chosen by its model and lora fields (as the server's)."""
+        if request.model is None and request.lora is None:
+            return request.params
+        adapters = self.engine.adapters.choose(request.model, request.lora, {self.engine.model_name})
+        return replace(request.params, adapters=adapters)
+
     def _submit_embedding(self, request: JobRequest) -> Iterator[Outcome]:
         """Tokenize the request's texts (one refused fails the request alone) and hold them: texts
         of many requests share each decode."""
         try:
             if self.embedding.one_per_line and not request.embedding.single:
                 raise LlamabatchError("a .parquet or .npy output holds one vector a line: give one text in 'input'")
+            check_base_model(request.embedding.model, self.engine)
             tokens = embedding_tokens(self.engine, request.embedding, self.embedding.pooling, self.embedding.truncate)
         except LlamabatchError as e:
-            yield self._failure(request, str(e), 400)
+            yield self._failure(request, str(e), refusal_status(e))
             return
         self._to_embed.append((request, tokens))
         self._to_embed_tokens += sum(map(len, tokens))

@@ -57,9 +57,12 @@ class SweepSettings:
 
 def describe(settings: SweepSettings, config: EngineConfig) -> str:
     """The KV layout and modes a sweep ran with, for captions."""
-    return (("unified" if config.kv_unified else "per-sequence") + " KV" + (", shared prompt" if settings.shared_prompt else "")
+    return (("unified" if config.kv_unified else "per-sequence") + f" KV {config.cache_type_k}/{config.cache_type_v}"
+            + f", flash attention {config.flash_attn}"
+            + (", shared prompt" if settings.shared_prompt else "")
             + (", deterministic" if config.deterministic else "")
-            + (f", speculative {config.speculative}" if config.speculative != "off" else ""))
+            + (f", speculative {config.speculative}" if config.speculative != "off" else "")
+            + (f", LoRA {', '.join(config.lora)}" if config.lora else ""))
 
 
 @dataclass
@@ -137,7 +140,7 @@ def measure(engine: BatchEngine, settings: SweepSettings, b: int, seed: int = 0)
         t_pp=t_pp, s_pp=n_prompt / t_pp, t_tg=t_tg, s_tg=n_generated / t_tg, t=t_pp + t_tg,
         s=(n_prompt + b * tg) / (t_pp + t_tg),
         **latency_percentiles(sequences),
-        kv_bytes=KvShape.of(engine.model).kv_bytes(b * (pp + tg + 1), b, engine.config.kv_unified, engine.config.n_ubatch),
+        kv_bytes=KvShape.of(engine.model, *engine.ctx.cache_types).kv_bytes(b * (pp + tg + 1), b, engine.config.kv_unified, engine.config.n_ubatch),
         peak_rss_bytes=peak_rss(),
         draft_acceptance=engine.stats.acceptance_rate,
         tokens_per_decode=engine.stats.completion_tokens / engine.stats.decode_calls,
@@ -267,9 +270,11 @@ def native_command(engine: BatchEngine, settings: SweepSettings, b: int) -> list
     n_ctx = settings.context if config.kv_unified else b * (settings.context // max(settings.batch_sizes))
     return [
         str(native_tool()), "-m", str(engine.model.path), "-c", str(n_ctx), "-b", str(config.n_batch),
-        "-ub", str(config.n_ubatch), "-t", str(config.n_threads), "-ngl", _native_gpu_layers(config.gpu_layers), "-fa", "auto",
+        "-ub", str(config.n_ubatch), "-t", str(config.n_threads), "-ngl", _native_gpu_layers(config.gpu_layers),
+        "-fa", config.flash_attn, "-ctk", config.cache_type_k, "-ctv", config.cache_type_v,
         "-npp", str(settings.prompt_tokens), "-ntg", str(settings.gen_tokens), "-npl", str(b),
         "-kvu" if config.kv_unified else "-no-kvu", *(["-pps"] if settings.shared_prompt else []),
+        *[arg for id, scale in engine.adapters.default for arg in ("--lora-scaled", f"{engine.adapters.info[id].path}:{scale}")],
     ]
 
 

@@ -31,7 +31,8 @@ from ..embeddings_format import (
 from ..engine.embedding import Pooling
 from ..errors import DecodeError, EngineBroken, LlamabatchError
 from ..openai_format import (
-    ChatRequest, CompletionRequest, SamplingFields, check_priority, engine_inputs, error_body, failure, validation_message,
+    ChatRequest, CompletionRequest, SamplingFields, check_base_model, engine_inputs, error_body, failure, refusal_status,
+    request_params, validation_message,
 )
 from .batch_api import batch_routes, resume_batches
 from .metrics import Metrics
@@ -106,7 +107,16 @@ def create_app(settings: ServerSettings) -> FastAPI:
         engine = _engine(worker)
         card = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "llamabatch",
                 "max_model_len": engine.ctx.n_ctx_seq}
-        return {"object": "list", "data": [card]}
+        # vLLM's way: each adapter is a model of its own, its parent the base model
+        adapters = [{**card, "id": a.name, "parent": engine.model_name, "root": str(a.path)} for a in engine.adapters.info]
+        return {"object": "list", "data": [card, *adapters]}
+
+    @app.get("/lora-adapters", dependencies=[Depends(authorized)], responses=_errors(401, 503))
+    async def lora_adapters() -> list[dict]:
+        """llama-server's listing: the ids a request's `lora` field names, with the default scales."""
+        engine = _engine(worker)
+        default = dict(engine.adapters.default)
+        return [{"id": a.id, "name": a.name, "path": str(a.path), "scale": default.get(a.id, 0.0)} for a in engine.adapters.info]
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)], responses=_GENERATION)
     async def completions(body: CompletionRequest, http: HttpRequest):
@@ -121,26 +131,27 @@ def create_app(settings: ServerSettings) -> FastAPI:
         try:
             prompts, params = engine_inputs(body, engine)
         except LlamabatchError as e:
-            raise HTTPException(400, str(e)) from None
+            raise HTTPException(refusal_status(e), str(e)) from None
         job = await _submit(worker, prompts, params, metrics, settings.request_timeout, body.priority)
-        reply = Reply(job, engine, kind, settings.request_timeout, metrics, body.shown())
+        reply = Reply(job, engine, kind, settings.request_timeout, metrics, body.shown(), body.model)
         if body.stream:
             chunks = reply.chat_chunks(worker) if kind == "chat.completion" else reply.completion_chunks(worker)
             return StreamingResponse(chunks, media_type="text/event-stream")
         return await reply.whole(worker, http)
 
-    @app.post("/v1/batch/completions", dependencies=[Depends(authorized)], responses=_errors(400, 401, 429, 500, 503, 504))
+    @app.post("/v1/batch/completions", dependencies=[Depends(authorized)], responses=_errors(400, 401, 404, 429, 500, 503, 504))
     async def batch_completions(body: BatchRequest, http: HttpRequest) -> dict:
         try:
-            check_priority(body, _engine(worker))
+            params = request_params(body, _engine(worker))
         except LlamabatchError as e:
-            raise HTTPException(400, str(e)) from None
-        job = await _submit(worker, body.prompts, _params(body), metrics, settings.request_timeout, body.priority)
-        reply = Reply(job, _engine(worker), "batch.completion", settings.request_timeout, metrics)
+            raise HTTPException(refusal_status(e), str(e)) from None
+        job = await _submit(worker, body.prompts, params, metrics, settings.request_timeout, body.priority)
+        reply = Reply(job, _engine(worker), "batch.completion", settings.request_timeout, metrics, model=body.model)
         return await reply.batch(worker, http)
 
-    @app.post("/v1/embeddings", dependencies=[Depends(authorized)], responses=_errors(400, 401, 429, 500, 503, 504))
+    @app.post("/v1/embeddings", dependencies=[Depends(authorized)], responses=_errors(400, 401, 404, 429, 500, 503, 504))
     async def embeddings(body: EmbeddingRequest) -> dict:
+        _served(body.model, worker)
         pooling = settings.pooling
         rows, n_tokens = await _pool(worker, lambda engine: embedding_tokens(engine, body, pooling), pooling, settings.request_timeout)
         try:
@@ -148,9 +159,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
         except LlamabatchError as e:  # dimensions beyond the model's width
             raise HTTPException(400, str(e)) from None
 
-    @app.post("/v1/rerank", dependencies=[Depends(authorized)], responses=_errors(400, 401, 429, 500, 503, 504))
+    @app.post("/v1/rerank", dependencies=[Depends(authorized)], responses=_errors(400, 401, 404, 429, 500, 503, 504))
     @app.post("/rerank", dependencies=[Depends(authorized)], include_in_schema=False)
     async def rerank(body: RerankRequest) -> dict:
+        _served(body.model, worker)
         rows, n_tokens = await _pool(worker, lambda engine: rerank_tokens(engine, body), Pooling.RANK, settings.request_timeout)
         return rerank_body([row[0] for row in rows], body, _engine(worker).model_name, n_tokens)
 
@@ -183,7 +195,7 @@ class ErrorBody(BaseModel):
 _WHY = {
     400: "Invalid JSON, fields or prompt, or more sequences than --max-queue (OpenAI error body)",
     401: "Missing or wrong API key (only with --api-key)",
-    404: "No file or batch has that id",
+    404: "Not found: a model that is neither the served one nor one of its adapters, or a file or batch id",
     413: "The upload is larger than --max-upload-mb",
     429: "The queue is full (--max-queue); retry after Retry-After seconds",
     500: "The engine failed while generating the answer (the message says how)",
@@ -200,7 +212,7 @@ def _errors(*codes: int) -> dict:
 _GENERATION = {
     200: {"description": "The answer; with stream: true, Server-Sent Events of chunks, then data: [DONE]",
           "content": {"application/json": {}, "text/event-stream": {"schema": {}}}},
-    **_errors(400, 401, 429, 500, 503, 504),
+    **_errors(400, 401, 404, 429, 500, 503, 504),
 }
 
 
@@ -257,11 +269,12 @@ def _engine(worker: EngineWorker) -> BatchEngine:
     return worker.engine
 
 
-def _params(body: SamplingFields) -> SamplingParams:
+def _served(model: str | None, worker: EngineWorker) -> None:
+    """404 for a model not served here, 400 for an adapter's name where adapters do not apply."""
     try:
-        return body.params()
+        check_base_model(model, _engine(worker))
     except LlamabatchError as e:
-        raise HTTPException(400, str(e)) from None
+        raise HTTPException(refusal_status(e), str(e)) from None
 
 
 async def _submit(
@@ -312,7 +325,7 @@ async def _pool(worker: EngineWorker, tokens, pooling: Pooling | None, timeout: 
     except (DecodeError, EngineBroken) as e:
         raise HTTPException(500, str(e)) from None
     except LlamabatchError as e:
-        raise HTTPException(400, str(e)) from None
+        raise HTTPException(refusal_status(e), str(e)) from None
     except asyncio.TimeoutError:
         raise HTTPException(504, f"the embeddings took longer than {timeout:g} s") from None
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import InfoMetricFamily
+from prometheus_client.registry import Collector
 
 from ..engine import Sequence
 from .worker import EngineWorker, Observer
@@ -42,6 +44,7 @@ class Metrics:
         )
         self.preempted = Gauge("llamabatch_priority_preemptions", "Sequences preempted for a better priority", registry=r)
         self.itl = Histogram("llamabatch_inter_token_latency_seconds", "Between a sequence's tokens", buckets=_LATENCY_BUCKETS, registry=r)
+        self.adapter_switches = Gauge("llamabatch_adapter_switches", "Steps that changed the LoRA adapter set", registry=r)
 
     def watch(self, worker: EngineWorker) -> None:
         """Gauges read the worker's state when scraped."""
@@ -57,6 +60,8 @@ class Metrics:
         self.drafted.set_function(lambda: stats().draft_tokens if stats() else 0)
         self.preempted.set_function(lambda: stats().priority_preemptions if stats() else 0)
         self.accepted.set_function(lambda: stats().draft_accepted if stats() else 0)
+        self.adapter_switches.set_function(lambda: stats().adapter_switches if stats() else 0)
+        self.registry.register(_EngineInfo(worker))
         self.tokens_per_decode.set_function(
             lambda: stats().completion_tokens / stats().decode_calls if stats() and stats().decode_calls else 0
         )
@@ -81,3 +86,21 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineInfo(Collector):
+    """llamabatch_engine_info: what the loaded engine runs with (model, KV cache types, flash
+    attention as llama.cpp resolved it, adapters), once it has loaded."""
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+
+    def collect(self):
+        engine = self.worker.engine
+        if engine is None:
+            return
+        k, v = engine.ctx.cache_types
+        yield InfoMetricFamily("llamabatch_engine", "The loaded engine's settings", value={
+            "model": engine.model_name, "cache_type_k": k, "cache_type_v": v, "flash_attn": engine.ctx.flash_attn,
+            "parallel": str(engine.config.n_parallel), "adapters": ",".join(a.name for a in engine.adapters.info),
+        })

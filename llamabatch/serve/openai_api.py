@@ -30,9 +30,11 @@ class Reply:
     """Turns one request's events into OpenAI responses: whole, or as a stream of chunks."""
 
     def __init__(
-        self, job: Request, engine: BatchEngine, kind: str, timeout: float, metrics: Metrics, shown: Shown = Shown()
+        self, job: Request, engine: BatchEngine, kind: str, timeout: float, metrics: Metrics, shown: Shown = Shown(),
+        model: str | None = None,
     ) -> None:
-        self.job, self.model, self.kind, self.timeout, self.metrics = job, engine.model_name, kind, timeout, metrics
+        # the model the request named (an adapter's name answers as that adapter, as vLLM does)
+        self.job, self.model, self.kind, self.timeout, self.metrics = job, model or engine.model_name, kind, timeout, metrics
         self.shown = shown
         self.vocab = engine.vocab  # pieces are cached and read-only: safe beside the engine thread
         self.id = new_id(kind)

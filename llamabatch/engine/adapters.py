@@ -1,0 +1,144 @@
+"""LoRA adapters: loaded once per engine, chosen per sequence, applied per step.
+
+llama.cpp applies one adapter set to a whole decode (the context holds it; there is no
+per-sequence adapter), so a sequence's adapter set is part of what it is: the scheduler decodes
+one set per step, and KV computed under one set is never reused under another.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..catalog import AdapterSpec, check_gguf
+from ..errors import ConfigError, SamplingError, UnknownModel
+from .native import Context, LoraAdapter, Model
+
+# (adapter id, scale) pairs by id, without zero scales: what a sequence decodes under. () is the
+# base model. Ids number the engine's adapters as llama-server does: --lora ones first, in order.
+AdapterSet = tuple[tuple[int, float], ...]
+BASE: AdapterSet = ()
+
+
+def adapter_set(pairs: Iterable[tuple[int, float]]) -> AdapterSet:
+    """Pairs as an AdapterSet; raises SamplingError for a repeated id or a scale that is not a finite number."""
+    chosen: dict[int, float] = {}
+    for id, scale in pairs:
+        if int(id) in chosen:
+            raise SamplingError(f"lora: adapter {id} is given twice")
+        if not math.isfinite(scale):
+            raise SamplingError(f"lora: adapter {id}'s scale must be a finite number, got {scale}")
+        chosen[int(id)] = float(scale)
+    return tuple(sorted((id, scale) for id, scale in chosen.items() if scale != 0.0))
+
+
+def parse_lora(text: str) -> tuple[str, float]:
+    """--lora's PATH[:SCALE] (or NAME[:SCALE], an adapter the catalog declares for the model)."""
+    source, _, scale = text.rpartition(":")
+    if source and scale:
+        try:
+            value = float(scale)
+        except ValueError:
+            return text, 1.0  # a colon in the path itself
+        if not math.isfinite(value):
+            raise ConfigError(f"--lora {text}: the scale must be a finite number")
+        return source, value
+    return text, 1.0
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """One loaded adapter, as /v1/models and llama-server's /lora-adapters list it."""
+
+    id: int
+    name: str
+    path: Path
+    scale: float  # what a request that names it (as its model) gets; --lora ones: the default set's
+
+
+def chosen_adapters(declared: Iterable[AdapterSpec], lora: Iterable[str]) -> list[tuple[AdapterSpec, bool]]:
+    """The adapters an engine loads, in id order, each with whether it is applied by default:
+    the --lora ones (a catalog name or a path, at the scale given) first, then the catalog's."""
+    declared = {spec.name: spec for spec in declared}
+    chosen: list[tuple[AdapterSpec, bool]] = []
+    for text in lora:
+        source, scale = parse_lora(text)
+        spec = declared.pop(source, None) or AdapterSpec(Path(source).stem, Path(source).expanduser())
+        chosen.append((AdapterSpec(spec.name, spec.path, scale), True))
+    chosen += [(spec, False) for spec in declared.values()]
+    names = [spec.name for spec, _ in chosen]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"two LoRA adapters share a name: {sorted(n for n in names if names.count(n) > 1)}")
+    return chosen
+
+
+class Adapters:
+    """The LoRA adapters an engine loaded (the --lora ones, then the catalog's for its model),
+    owned and freed together, before the model. `default` is what a sequence decodes under when
+    it asks for nothing: the --lora adapters at their scales."""
+
+    def __init__(self, model: Model, declared: Iterable[AdapterSpec], lora: Iterable[str]) -> None:
+        self.chosen = chosen = chosen_adapters(declared, lora)  # (spec, applied by default), in id order
+        self.info: list[AdapterInfo] = []
+        self._loaded: list[LoraAdapter] = []
+        try:
+            for id, (spec, _) in enumerate(chosen):
+                self._loaded.append(LoraAdapter(model, check_gguf(spec.path)))
+                self.info.append(AdapterInfo(id, spec.name, spec.path, spec.scale))
+        except Exception:
+            self.close()
+            raise
+        self.default: AdapterSet = adapter_set((id, spec.scale) for id, (spec, applied) in enumerate(chosen) if applied)
+        self._applied: AdapterSet = BASE  # what the context holds now: a new context has no adapters
+
+    def __len__(self) -> int:
+        return len(self.info)
+
+    def named(self, name: str) -> AdapterSet | None:
+        """The set a request naming this adapter (as its model) decodes under: it alone, at its scale."""
+        return next(((( a.id, a.scale),) for a in self.info if a.name == name), None)
+
+    def choose(self, model: str | None, lora: Iterable[tuple[int, float]] | None, served: set[str]) -> AdapterSet | None:
+        """A request's adapter set from its `model` (the served model, or an adapter's name, as
+        vLLM lists them) and llama-server's `lora` field (ids not listed get scale 0); None: the
+        engine's default. Raises UnknownModel for a model that is neither, SamplingError for an
+        unknown adapter id or a request that names an adapter both ways."""
+        named = None if model is None or model in served else self.named(model)
+        if model is not None and model not in served and named is None:
+            known = sorted(served | {a.name for a in self.info})
+            raise UnknownModel(f"the model {model!r} does not exist here (served: {', '.join(known)})")
+        if lora is None:
+            return named
+        if named is not None:
+            raise SamplingError(f"model {model!r} is a LoRA adapter: choose adapters with it or with the lora field, not both")
+        pairs = adapter_set(lora)
+        self.check(pairs)
+        return pairs
+
+    def check(self, pairs: AdapterSet) -> None:
+        for id, _ in pairs:
+            if not 0 <= id < len(self.info):
+                have = f"ids 0..{len(self.info) - 1}" if self.info else "none loaded"
+                raise SamplingError(f"lora: no adapter with id {id} (this engine has {have})")
+
+    def apply(self, ctx: Context, pairs: AdapterSet) -> bool:
+        """Make the engine's context decode under `pairs`; True when that changed its set (one
+        llama_set_adapters_lora call, and llama.cpp plans its compute graph again)."""
+        if pairs == self._applied:
+            return False
+        self.attach(ctx, pairs)
+        self._applied = pairs
+        return True
+
+    def attach(self, ctx: Context, pairs: AdapterSet) -> None:
+        """Set `pairs` on a context (an embedding context: once, for good)."""
+        ctx.set_adapters([self._loaded[id] for id, _ in pairs], [scale for _, scale in pairs])
+
+    def describe(self, pairs: AdapterSet) -> str:
+        return ", ".join(f"{self.info[id].name}:{scale:g}" for id, scale in pairs) or "none"
+
+    def close(self) -> None:
+        for adapter in self._loaded:
+            adapter.close()
