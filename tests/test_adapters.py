@@ -144,7 +144,7 @@ def test_the_prefix_cache_never_serves_kv_of_another_adapter(make_engine, tiny_m
 
 
 def test_bad_adapters_are_named(make_engine, tiny_model, tmp_path):
-    with pytest.raises(ModelError, match="not found"):
+    with pytest.raises(ModelError, match="LoRA adapter 'missing': GGUF file not found"):
         make_engine(lora=[str(tmp_path / "missing.gguf")])
     with pytest.raises(ModelError, match="expect general.type to be 'adapter'"):
         make_engine(lora=[str(tiny_model)])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..catalog import AdapterSpec, check_gguf
-from ..errors import ConfigError, SamplingError, UnknownModel
+from ..errors import ConfigError, ModelError, SamplingError, UnknownModel
 from .native import Context, LoraAdapter, Model
 
 # (adapter id, scale) pairs by id, without zero scales: what a sequence decodes under. () is the
@@ -85,7 +85,11 @@ class Adapters:
         self._loaded: list[LoraAdapter] = []
         try:
             for id, (spec, _) in enumerate(chosen):
-                self._loaded.append(LoraAdapter(model, check_gguf(spec.path)))
+                try:
+                    path = check_gguf(spec.path)
+                except ModelError as e:
+                    raise ModelError(f"LoRA adapter {spec.name!r}: {e}") from None
+                self._loaded.append(LoraAdapter(model, path))
                 self.info.append(AdapterInfo(id, spec.name, spec.path, spec.scale))
         except Exception:
             self.close()
