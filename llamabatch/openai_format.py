@@ -328,9 +328,7 @@ def request_params(body: SamplingFields, engine: BatchEngine) -> SamplingParams:
 def check_base_model(model: str | None, engine: BatchEngine) -> None:
     """Embeddings and reranking come from the served model (with its --lora set): a request that
     names an adapter is refused, not answered from another model than it asked for."""
-    if model is not None and model != engine.model_name:
-        if engine.adapters.named(model) is None:
-            engine.adapters.choose(model, None, {engine.model_name})  # raises UnknownModel
+    if engine.adapters.by_model(model, {engine.model_name}) is not None:  # UnknownModel for neither
         raise LlamabatchError(f"model {model!r} is a LoRA adapter: adapters are chosen per request for generation, not embeddings")
 
 

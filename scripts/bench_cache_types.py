@@ -32,12 +32,10 @@ from llamabatch.engine.memory import parse_size, plan_for
 from llamabatch.measure import sweep as sweep_bench
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_embeddings import native_bin  # noqa: E402
+
 TEXT = Path("/usr/share/common-licenses/GPL-3")
-
-
-def native_bin(tool: str) -> str:
-    folder = subprocess.run(["bash", str(ROOT / "scripts/build_native.sh")], capture_output=True, text=True, check=True).stdout.strip()
-    return os.path.join(folder, tool)
 
 
 def fit(model: str, kind: str, ctx_per_seq: int, budget: int) -> None:

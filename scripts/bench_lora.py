@@ -36,6 +36,7 @@ from llamabatch.catalog import Catalog
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
+from bench_embeddings import free_port, native_bin, wait_healthy  # noqa: E402
 from tiny_model import write_lora_for, write_tiny_lora, write_tiny_model  # noqa: E402
 
 SUBJECTS = ["the sea", "bread", "trains", "owls", "glass", "chess", "rain", "copper", "maps", "tea", "kites", "bees"]
@@ -44,19 +45,6 @@ SETS = {"none": (), "a": ((0, 1.0),), "b": ((1, 1.0),), "a+b at 0.5": ((0, 0.5),
 
 def prompts(n: int) -> list[str]:
     return [f"Write a short paragraph about {SUBJECTS[i % len(SUBJECTS)]}, number {i}:" for i in range(n)]
-
-
-def native_bin(tool: str) -> str:
-    folder = subprocess.run(["bash", str(ROOT / "scripts/build_native.sh")], capture_output=True, text=True, check=True).stdout.strip()
-    return os.path.join(folder, tool)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -69,16 +57,8 @@ class Server:
 
     def __enter__(self) -> Server:
         self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(1200):
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.command[0]} exited with {self.process.returncode}")
-            try:
-                if httpx.get(f"{self.base}/health").status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.command[0]} did not start")
+        wait_healthy(self.base, self.process)
+        return self
 
     def __exit__(self, *exc) -> None:
         self.process.terminate()

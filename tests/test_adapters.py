@@ -238,7 +238,8 @@ def test_job_lines_choose_adapters_as_the_server_does(server, catalog, tmp_path)
     ]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    with BatchEngine("tiny", catalog=catalog, n_threads=2) as engine:
+    # one slot: each line decodes alone, as each request does in the server (same kernels, same tokens)
+    with BatchEngine("tiny", catalog=catalog, n_threads=2, n_parallel=1) as engine:
         summary = BatchJob(engine, source, tmp_path / "out.jsonl").run()
     done = {line["id"]: line for line in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     failed = {line["id"]: line for line in map(json.loads, (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines())}

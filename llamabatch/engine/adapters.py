@@ -97,29 +97,29 @@ class Adapters:
         self.default: AdapterSet = adapter_set((id, spec.scale) for id, (spec, applied) in enumerate(chosen) if applied)
         self._applied: AdapterSet = BASE  # what the context holds now: a new context has no adapters
 
-    def __len__(self) -> int:
-        return len(self.info)
-
-    def named(self, name: str) -> AdapterSet | None:
-        """The set a request naming this adapter (as its model) decodes under: it alone, at its scale."""
-        return next(((( a.id, a.scale),) for a in self.info if a.name == name), None)
-
-    def choose(self, model: str | None, lora: Iterable[tuple[int, float]] | None, served: set[str]) -> AdapterSet | None:
-        """A request's adapter set from its `model` (the served model, or an adapter's name, as
-        vLLM lists them) and llama-server's `lora` field (ids not listed get scale 0); None: the
-        engine's default. Raises UnknownModel for a model that is neither, SamplingError for an
-        unknown adapter id or a request that names an adapter both ways."""
-        named = None if model is None or model in served else self.named(model)
-        if model is not None and model not in served and named is None:
+    def by_model(self, model: str | None, served: set[str]) -> AdapterSet | None:
+        """The set a request's `model` asks for: None for the served model (or none named), an
+        adapter's own set for its name (it alone, at its scale, as vLLM lists adapters as models).
+        Raises UnknownModel for a model that is neither."""
+        if model is None or model in served:
+            return None
+        adapter = next((a for a in self.info if a.name == model), None)
+        if adapter is None:
             known = sorted(served | {a.name for a in self.info})
             raise UnknownModel(f"the model {model!r} does not exist here (served: {', '.join(known)})")
+        return ((adapter.id, adapter.scale),)
+
+    def choose(self, model: str | None, lora: Iterable[tuple[int, float]] | None, served: set[str]) -> AdapterSet | None:
+        """A request's adapter set from its `model` (by_model) and llama-server's `lora` field
+        (ids not listed get scale 0); None: the engine's default. Raises UnknownModel for an
+        unknown model, SamplingError for an unknown adapter id or a request that names an
+        adapter both ways."""
+        named = self.by_model(model, served)
         if lora is None:
             return named
         if named is not None:
             raise SamplingError(f"model {model!r} is a LoRA adapter: choose adapters with it or with the lora field, not both")
-        pairs = adapter_set(lora)
-        self.check(pairs)
-        return pairs
+        return adapter_set(lora)  # ids are checked where the engine takes the sequence (BatchEngine.add)
 
     def check(self, pairs: AdapterSet) -> None:
         for id, _ in pairs:
@@ -139,9 +139,6 @@ class Adapters:
     def attach(self, ctx: Context, pairs: AdapterSet) -> None:
         """Set `pairs` on a context (an embedding context: once, for good)."""
         ctx.set_adapters([self._loaded[id] for id, _ in pairs], [scale for _, scale in pairs])
-
-    def describe(self, pairs: AdapterSet) -> str:
-        return ", ".join(f"{self.info[id].name}:{scale:g}" for id, scale in pairs) or "none"
 
     def close(self) -> None:
         for adapter in self._loaded:

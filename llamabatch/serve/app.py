@@ -31,7 +31,7 @@ from ..embeddings_format import (
 from ..engine.embedding import Pooling
 from ..errors import DecodeError, EngineBroken, LlamabatchError
 from ..openai_format import (
-    ChatRequest, CompletionRequest, SamplingFields, check_base_model, engine_inputs, error_body, failure, refusal_status,
+    ChatRequest, CompletionRequest, check_base_model, engine_inputs, error_body, failure, refusal_status,
     request_params, validation_message,
 )
 from .batch_api import batch_routes, resume_batches
