@@ -41,6 +41,8 @@ class ModelSpec:
     chat: bool = False
     chat_template: str | None = None  # a llama.cpp built-in template name, for GGUFs without one
     adapters: tuple[AdapterSpec, ...] = ()  # LoRA adapters made for this model
+    rpc: tuple[str, ...] | str = ()  # rpc-server endpoints (HOST:PORT) holding layers of it
+    tensor_split: tuple[float, ...] | str = ()  # each device's share of the offloaded layers
 
     @property
     def source(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import shlex
 import signal
 import threading
@@ -21,6 +22,7 @@ from .engine import BatchEngine, EngineConfig, Result, SamplingParams, Sequence
 from .engine.memory import plan_for
 from .engine.native import Model, init_backend
 from .engine.options import AUTO, EngineOptions, memory_budget
+from .engine.rpc import DEFAULT_PORT as DEFAULT_RPC_PORT
 from .errors import LlamabatchError
 from .jobs.prompts import gather_prompts
 from .measure import sweep as sweep_bench
@@ -47,7 +49,16 @@ CtxPerSeqOpt = Annotated[Optional[int], typer.Option("--ctx-per-seq", help="KV c
 BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-b", help="Most tokens per llama_decode (n_batch).")]
 UbatchOpt = Annotated[Optional[int], typer.Option("--ubatch-size", "-ub", help="Physical micro-batch (n_ubatch).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
-GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", "-ngl", help="Layers on the GPU (-1 = all).")]
+GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", "-ngl", help="Layers on the GPU, or with --rpc on the remotes (-1 = all).")]
+RpcOpt = Annotated[Optional[str], typer.Option(
+    "--rpc", metavar="HOST:PORT,...", help="rpc-servers whose devices hold the offloaded layers (llama.cpp's RPC backend).",
+)]
+RpcTimeoutOpt = Annotated[Optional[float], typer.Option(
+    "--rpc-timeout", metavar="SECONDS", help="With --rpc: a decode unanswered this long means a remote is gone; the process exits (600).",
+)]
+TensorSplitOpt = Annotated[Optional[str], typer.Option(
+    "--tensor-split", "-ts", metavar="N0,N1,...", help="Each device's share of the offloaded layers: the --rpc remotes in order, then local GPUs.",
+)]
 KvUnifiedOpt = Annotated[Optional[bool], typer.Option("--kv-unified/--no-kv-unified", help="One KV buffer shared by all sequences (default), or one each.")]
 DeterministicOpt = Annotated[
     Optional[bool], typer.Option("--deterministic", help="Same output alone or in any batch (CPU; slower prefill, see README).")
@@ -139,6 +150,9 @@ def run(
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    rpc_timeout: RpcTimeoutOpt = None,
     lora: LoraOpt = None,
     cache_type_k: CacheTypeKOpt = None,
     cache_type_v: CacheTypeVOpt = None,
@@ -257,6 +271,9 @@ def batch(
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    rpc_timeout: RpcTimeoutOpt = None,
     lora: LoraOpt = None,
     cache_type_k: CacheTypeKOpt = None,
     cache_type_v: CacheTypeVOpt = None,
@@ -348,6 +365,9 @@ def embed(
     config: CatalogOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    rpc_timeout: RpcTimeoutOpt = None,
     lora: LoraOpt = None,
     cache_type_k: CacheTypeKOpt = None,
     cache_type_v: CacheTypeVOpt = None,
@@ -450,6 +470,9 @@ def score(
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    rpc_timeout: RpcTimeoutOpt = None,
     lora: LoraOpt = None,
     cache_type_k: CacheTypeKOpt = None,
     cache_type_v: CacheTypeVOpt = None,
@@ -555,6 +578,9 @@ def sweep(
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    rpc_timeout: RpcTimeoutOpt = None,
     lora: LoraOpt = None,
     cache_type_k: CacheTypeKOpt = None,
     cache_type_v: CacheTypeVOpt = None,
@@ -599,6 +625,11 @@ def _sweep(
     n_steps = len(sizes) * (2 if "sequential" in baselines else 1)
     with BatchEngine(**options.engine_kwargs()) as engine, \
             display.SweepView(engine.model_name, settings, engine.config, n_steps, live=not json_out) as view:
+        if baselines and engine.config.rpc:
+            raise LlamabatchError(
+                "--baseline with --rpc: an rpc-server serves one client at a time, so a baseline cannot run beside "
+                "this engine (scripts/bench_rpc.py alternates whole processes instead)"
+            )
         points = []
         for point in sweep_bench.sweep(engine, settings, native="native" in baselines):
             points.append(point)
@@ -638,6 +669,9 @@ def serve(
     ubatch_size: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    rpc_timeout: RpcTimeoutOpt = None,
     lora: LoraOpt = None,
     cache_type_k: CacheTypeKOpt = None,
     cache_type_v: CacheTypeVOpt = None,
@@ -702,6 +736,30 @@ def _serve_replicas(settings: ServerSettings, replicas: int | str, address: str,
         pass
     serve.shutdown()
     ray.shutdown()
+
+
+@command
+def rpc_server(
+    host: Annotated[str, typer.Option("--host", "-H", help="Address to listen on. The protocol has no authentication: keep it on a trusted network.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on.")] = DEFAULT_RPC_PORT,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Lend this host's GPUs (else its CPU) to engines on other hosts: llama.cpp's rpc-server,
+    from llama-cpp-python's own libraries (built with -DGGML_RPC=on)."""
+    from .engine import rpc
+
+    rpc.require_rpc()
+    init_backend(False)
+    # ggml's server loop returns only when it cannot listen: run it on a thread, so that Ctrl-C
+    # still ends the process.
+    server = threading.Thread(target=rpc.serve, args=(host, port, threads or max(1, (os.cpu_count() or 2) // 2)), daemon=True)
+    server.start()
+    try:
+        while server.is_alive():
+            server.join(0.5)
+    except KeyboardInterrupt:
+        return
+    raise LlamabatchError(f"rpc-server could not listen on {host}:{port} (is the port taken?)")
 
 
 @command

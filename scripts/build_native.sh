@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own reference tools (llama-batched-bench, llama-server, llama-perplexity,
-# llama-lookup, llama-speculative, llama-embedding) from the llama.cpp sources vendored in the sdist of the
-# installed llama-cpp-python: the same llama.cpp version as the binding, so native and
-# llamabatch figures compare fairly.
+# llama-lookup, llama-speculative, llama-embedding, ggml-rpc-server) from the llama.cpp sources
+# vendored in the sdist of the installed llama-cpp-python: the same llama.cpp version as the
+# binding, so native and llamabatch figures compare fairly. Always with the RPC backend (--rpc).
 #
 #   scripts/build_native.sh            # prints the folder holding the binaries
 #   CMAKE_ARGS="-DGGML_CUDA=on" scripts/build_native.sh
@@ -12,8 +12,13 @@ set -euo pipefail
 
 version=$(python -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))")
 dest=${LLAMABATCH_NATIVE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/llamabatch/native/$version}
-tools=(llama-batched-bench llama-server llama-perplexity llama-lookup llama-speculative llama-embedding)
+tools=(llama-batched-bench llama-server llama-perplexity llama-lookup llama-speculative llama-embedding ggml-rpc-server)
+flags="-DGGML_RPC=ON ${CMAKE_ARGS:-}"
 
+# Binaries built with other flags (before RPC was on, or for another device) are all rebuilt.
+if [ "$(cat "$dest/flags" 2>/dev/null)" != "$flags" ]; then
+    rm -rf "$dest/bin"
+fi
 missing=()
 for tool in "${tools[@]}"; do
     [ -x "$dest/bin/$tool" ] || missing+=("$tool")
@@ -30,13 +35,14 @@ tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 
 # Static binaries, so they run from the cache folder without the build tree's libraries.
-# shellcheck disable=SC2086  # CMAKE_ARGS is a list of flags, as pip's build reads it
+# shellcheck disable=SC2086  # flags is a list of flags, as pip's build reads CMAKE_ARGS
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF ${CMAKE_ARGS:-} >&2
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF $flags >&2
 cmake --build "$work/build" --target "${missing[@]}" -j "$(nproc)" >&2
 
 mkdir -p "$dest/bin"
 for tool in "${missing[@]}"; do
     cp "$work/build/bin/$tool" "$dest/bin/"
 done
+echo "$flags" > "$dest/flags"
 echo "$dest/bin"

@@ -19,6 +19,7 @@ from .drafters import DraftModel, Drafter, NgramDrafter
 from .embedding import MAX_TEXTS_PER_DECODE, Embedder, Pooling, finish, model_pooling
 from ..errors import ConfigError, ConstraintError, DecodeError, EngineBroken, PromptError, SamplingError
 from .native import KV_FULL, Batch, Context, Model, Vocab, init_backend, use_row_invariant_matmul
+from .rpc import exit_when_lost, local_accelerators, remote_devices
 from .results import Event, PromptScore, Result, RunStats, Score
 from .sampling import GreedySampler, SamplingParams, build_sampler, score_rows, token_logprob
 from .scheduler import LONE_ROW_MAX_CELLS, Filler, Scheduler
@@ -71,6 +72,9 @@ class BatchEngine:
         cache_type_k: str | None = None,
         cache_type_v: str | None = None,
         flash_attn: str | None = None,
+        rpc: str | Iterable[str] | None = None,
+        tensor_split: str | Iterable[float] | None = None,
+        rpc_timeout: float | None = None,
         chat: bool | None = None,
         verbose: bool = False,
     ) -> None:
@@ -81,7 +85,8 @@ class BatchEngine:
             n_threads=n_threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
             deterministic=deterministic, speculative=speculative, draft_model=None if draft_model is None else str(draft_model),
             draft_max=draft_max, embed_pack=embed_pack, scheduling=scheduling, lora=None if lora is None else tuple(map(str, lora)),
-            cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn, chat=chat, verbose=verbose,
+            cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn, rpc=rpc, tensor_split=tensor_split,
+            rpc_timeout=rpc_timeout, chat=chat, verbose=verbose,
         )
         draft_path = models.resolve(self.config.draft_model).gguf_path() if self.config.draft_model else None
         self.model_name = spec.name
@@ -94,7 +99,7 @@ class BatchEngine:
         # Deterministic mode needs a second KV stream even for one slot: fillers decode there.
         n_streams = max(cfg.n_parallel, 2) if cfg.deterministic else cfg.n_parallel
         with ExitStack() as undo:  # a handle that fails to load frees those made before it
-            self.model = Model(path, cfg.gpu_layers, repack=not cfg.deterministic)
+            self.model = Model(path, cfg.gpu_layers, repack=not cfg.deterministic, **self._placement())
             undo.callback(self.model.close)
             self.adapters = Adapters(self.model, spec.adapters, cfg.lora)
             undo.callback(self.adapters.close)
@@ -129,6 +134,16 @@ class BatchEngine:
         self._uids = itertools.count()
         self._embedders: dict[Pooling, Embedder] = {}  # made on first use, one per pooling type
         self._default_pooling: Pooling | None = None
+
+    def _placement(self) -> dict:
+        """Where the model's offloaded layers go: with --rpc, the remotes' devices, then this
+        host's GPUs (llama.cpp's order), each taking its --tensor-split share."""
+        cfg = self.config
+        if not cfg.rpc:
+            return dict(tensor_split=cfg.tensor_split)
+        devices = remote_devices(cfg.rpc) + local_accelerators()
+        exit_when_lost(cfg.rpc, cfg.rpc_timeout)  # from here, a remote gone is an exit, not an abort or a hang
+        return dict(devices=[d.handle for d in devices], tensor_split=cfg.tensor_split)
 
     def _drafter(self, draft_path: Path | None) -> Drafter | None:
         cfg = self.config
@@ -728,6 +743,8 @@ class BatchEngine:
         self.ctx.close()
         self.adapters.close()  # before the model, which would free them itself
         self.model.close()
+        if self.config.rpc:
+            exit_when_lost((), 0)
 
     def __enter__(self) -> BatchEngine:
         return self

@@ -10,6 +10,7 @@ import llama_cpp
 from ..catalog import ModelSpec
 from ..errors import ConfigError
 from .native import CACHE_TYPES, FLASH_ATTN
+from .rpc import offloads, parse_endpoints, parse_tensor_split
 
 UNQUANTIZED = ("f32", "f16", "bf16")  # cache types that need no flash attention
 
@@ -64,6 +65,13 @@ class EngineConfig:
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     flash_attn: str = "auto"  # "auto": llama.cpp turns it on where the backend supports it
+    # Layers on other hosts (llama.cpp's RPC backend): their rpc-servers' HOST:PORT, and each
+    # device's share of the offloaded layers, remotes first, then local GPUs (llama.cpp's order).
+    rpc: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] = ()
+    # ggml waits for a remote without a timeout: a decode unanswered this long means the host is
+    # gone (not merely slow), and the process exits as when a connection breaks.
+    rpc_timeout: float = 600.0
     chat: bool = False
     verbose: bool = False
 
@@ -71,6 +79,8 @@ class EngineConfig:
         if self.n_threads == 0:
             object.__setattr__(self, "n_threads", os.cpu_count() or 1)
         object.__setattr__(self, "lora", tuple(str(text) for text in self.lora))
+        object.__setattr__(self, "rpc", parse_endpoints(self.rpc))
+        object.__setattr__(self, "tensor_split", parse_tensor_split(self.tensor_split))
         for problem in self._problems():
             raise ConfigError(problem)
 
@@ -79,7 +89,8 @@ class EngineConfig:
         """The spec's defaults, with every override that is not None applied."""
         values = dict(
             n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_ubatch=spec.n_ubatch, n_parallel=spec.parallel,
-            n_threads=spec.threads, gpu_layers=spec.gpu_layers, chat=spec.chat,
+            n_threads=spec.threads, gpu_layers=spec.gpu_layers, chat=spec.chat, rpc=spec.rpc,
+            tensor_split=spec.tensor_split,
         )
         given = {k: v for k, v in overrides.items() if v is not None}
         if "draft_model" in given:
@@ -116,7 +127,9 @@ class EngineConfig:
             yield "--deterministic needs a per-sequence KV cache: drop --kv-unified"
         if self.deterministic and self.share_prefixes:
             yield "--deterministic copies no prompt prefixes: drop --share-prefixes"
-        if self.deterministic and self.gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload():
+        if self.deterministic and self.rpc:
+            yield "--deterministic is verified on this host's CPU only: drop --rpc"
+        elif self.deterministic and offloads(self.gpu_layers):
             yield "--deterministic is verified on CPU builds only: add --gpu-layers 0"
         if self.speculative not in ("off", "ngram", "draft"):
             yield f"--speculative must be 'ngram', 'draft' or 'off', got {self.speculative!r}"
@@ -137,5 +150,7 @@ class EngineConfig:
             yield f"--flash-attn must be 'auto', 'on' or 'off', got {self.flash_attn!r}"
         elif self.flash_attn == "off" and self.cache_type_v in CACHE_TYPES and self.cache_type_v not in UNQUANTIZED:
             yield f"a quantized V cache (--cache-type-v {self.cache_type_v}) needs flash attention: use --flash-attn auto or on"
+        if self.rpc_timeout <= 0:
+            yield f"--rpc-timeout must be > 0 seconds, got {self.rpc_timeout}"
         if self.gpu_layers < -1:
             yield f"gpu_layers must be -1 (all) or >= 0, got {self.gpu_layers}"

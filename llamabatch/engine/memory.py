@@ -19,6 +19,7 @@ from ..catalog import Catalog
 from ..errors import ConfigError
 from .config import unknown_cache_type
 from .native import CACHE_TYPES, Model, init_backend
+from .rpc import offloads
 
 CELL_PAD = 256
 
@@ -124,7 +125,7 @@ def plan_for(
     model: str | Path | None = None, *, catalog: str | Path | None = None, ctx_per_seq: int | None = None,
     memory: int | None = None, kv_unified: bool = False, n_ubatch: int | None = None,
     max_parallel: int | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
-    verbose: bool = False,
+    rpc: str | None = None, verbose: bool = False,
 ) -> tuple[Plan, KvShape]:
     """Plan a catalog model (or GGUF path): by default each sequence gets the catalog's
     per-sequence context, and the budget is the memory available now plus what this process
@@ -133,7 +134,9 @@ def plan_for(
         if value is not None and value not in CACHE_TYPES:
             raise ConfigError(unknown_cache_type(option, value))
     spec = Catalog.load(catalog).resolve(model)
-    if memory is None and llama_cpp.llama_supports_gpu_offload() and spec.gpu_layers != 0:
+    if memory is None and (rpc or spec.rpc) and spec.gpu_layers != 0:
+        raise ConfigError("with --rpc the KV cache lives on the remote hosts: give --memory, theirs to plan for")
+    if memory is None and offloads(spec.gpu_layers):
         raise ConfigError("this llama.cpp offloads to a GPU: give --memory, the GPU memory to plan for")
     init_backend(verbose)
     process = current_rss()

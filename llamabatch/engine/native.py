@@ -10,7 +10,8 @@ import ctypes
 import os
 import re
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import llama_cpp
 import numpy as np
 
 from ..errors import ConfigError, DecodeError, LlamabatchError, ModelError, PromptError
+from .rpc import guard as rpc_guard
 
 _backend_ready = False
 # ggml reads GGML_CPU_TILED_MM once, at the process's first matmul: deterministic mode must
@@ -80,6 +82,16 @@ def init_backend(verbose: bool = False) -> None:
     if not _backend_ready:
         llama_cpp.llama_backend_init()
         _backend_ready = True
+
+
+def _awaiting_backends(call, *args):
+    """A call that may wait on the backends (decoding, or reading its outputs, which waits for
+    the decode to finish): timed, so that a remote which never answers is caught (rpc.guard)."""
+    rpc_guard.since = time.monotonic()
+    try:
+        return call(*args)
+    finally:
+        rpc_guard.since = None
 
 
 class _Owner:
@@ -191,10 +203,23 @@ class Vocab:
 class Model(_Owner):
     kind = "model"
 
-    def __init__(self, path: Path, gpu_layers: int = -1, repack: bool = True) -> None:
+    def __init__(
+        self, path: Path, gpu_layers: int = -1, repack: bool = True, devices: Sequence[int] = (),
+        tensor_split: Sequence[float] = (),
+    ) -> None:
+        """`devices` (ggml device handles) replace llama.cpp's default choice of where offloaded
+        layers go; `tensor_split` gives each of them its share, in that order."""
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
         params.use_extra_bufts = repack  # CPU weight repacking: faster, but kernels differ by row count
+        if devices:
+            listed = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated
+            params.devices = ctypes.cast(listed, ctypes.c_void_p)
+        if tensor_split:
+            if devices and len(tensor_split) > len(devices):
+                raise ConfigError(f"--tensor-split gives {len(tensor_split)} shares for {len(devices)} devices")
+            shares = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*tensor_split)
+            params.tensor_split = shares
         with _log.capture() as log:
             handle = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not handle:
@@ -202,10 +227,12 @@ class Model(_Owner):
         super().__init__(handle)
         self.path = path
         self.vocab = Vocab(llama_cpp.llama_model_get_vocab(handle))
-        # Which layers use sliding-window attention is not in llama.h; the loader logs it.
-        swa = {int(m[1]): m[2] == "1" for m in re.finditer(r"layer +(\d+) assigned to .*is_swa = (\d)", "\n".join(log))}
+        # Where each layer went and which use sliding-window attention are not in llama.h; the
+        # loader logs them ("layer 3 assigned to device RPC0, is_swa = 1"; the output layer last).
+        assigned = [(m[1], m[2] == "1") for m in re.finditer(r"layer +\d+ assigned to device (\S+), is_swa = (\d)", "\n".join(log))]
         n_layer = llama_cpp.llama_model_n_layer(handle)
-        self.swa_layers: list[bool] | None = [swa[i] for i in range(n_layer)] if len(swa) >= n_layer else None
+        self.placement: list[str] = [device for device, _ in assigned]
+        self.swa_layers: list[bool] | None = [swa for _, swa in assigned[:n_layer]] if len(assigned) >= n_layer else None
 
     def _free(self, handle) -> None:
         llama_cpp.llama_model_free(handle)
@@ -362,7 +389,7 @@ class Context(_Owner):
     def decode(self, batch: Batch) -> None:
         global _decoded
         _decoded = True
-        code = llama_cpp.llama_decode(self.handle, batch.struct)
+        code = _awaiting_backends(llama_cpp.llama_decode, self.handle, batch.struct)
         if code != 0:
             raise DecodeError(code)
 
@@ -371,7 +398,7 @@ class Context(_Owner):
         (llama.cpp puts its outputs back in that order first): a view, valid until the next decode.
         Views are kept per (address, rows): llama.cpp reuses its buffer, and building a view costs
         more than a small model's whole sampling step."""
-        address = ctypes.addressof(llama_cpp.llama_get_logits(self.handle).contents)
+        address = ctypes.addressof(_awaiting_backends(llama_cpp.llama_get_logits, self.handle).contents)
         view = self._logits_views.get((address, n_outputs))
         if view is None:
             rows = (ctypes.c_float * (n_outputs * n_vocab)).from_address(address)
@@ -380,14 +407,14 @@ class Context(_Owner):
 
     def embedding(self, seq_id: int, n: int) -> np.ndarray:
         """The first n floats of a sequence's pooled output from the last decode (a copy)."""
-        pointer = llama_cpp.llama_get_embeddings_seq(self.handle, seq_id)
+        pointer = _awaiting_backends(llama_cpp.llama_get_embeddings_seq, self.handle, seq_id)
         if not pointer:
             raise DecodeError(-1, f"no pooled output for sequence {seq_id}")
         return np.ctypeslib.as_array(pointer, shape=(n,)).copy()
 
     def token_embeddings(self, n_rows: int, n: int) -> np.ndarray:
         """Every output row of the last decode (no pooling: a vector per token), as (n_rows, n) (a copy)."""
-        pointer = llama_cpp.llama_get_embeddings(self.handle)
+        pointer = _awaiting_backends(llama_cpp.llama_get_embeddings, self.handle)
         if not pointer:
             raise DecodeError(-1, "no token embeddings from the last decode")
         return np.ctypeslib.as_array(pointer, shape=(n_rows, n)).copy()

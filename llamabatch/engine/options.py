@@ -42,6 +42,9 @@ class EngineOptions:
     cache_type_k: str | None = None
     cache_type_v: str | None = None
     flash_attn: str | None = None
+    rpc: str | None = None  # HOST:PORT[,HOST:PORT...]
+    tensor_split: str | None = None  # N0,N1,...
+    rpc_timeout: float | None = None
     chat: bool | None = None
     verbose: bool = False
 
@@ -65,7 +68,8 @@ class EngineOptions:
             share_prefixes=self.share_prefixes, deterministic=self.deterministic, speculative=self.speculative,
             draft_model=self.draft_model, draft_max=self.draft_max, embed_pack=self.embed_pack,
             scheduling=self.scheduling_policy, lora=self.lora, cache_type_k=self.cache_type_k,
-            cache_type_v=self.cache_type_v, flash_attn=self.flash_attn, chat=self.chat, verbose=self.verbose,
+            cache_type_v=self.cache_type_v, flash_attn=self.flash_attn, rpc=self.rpc, tensor_split=self.tensor_split,
+            rpc_timeout=self.rpc_timeout, chat=self.chat, verbose=self.verbose,
         )
 
     def _check(self) -> None:
@@ -95,7 +99,7 @@ class EngineOptions:
         planned, _ = plan_for(
             self.model, catalog=self.config, ctx_per_seq=self.ctx_per_seq, memory=memory_budget(self.memory), kv_unified=kv_unified,
             n_ubatch=self.ubatch_size, max_parallel=n_sequences, cache_type_k=self.cache_type_k,
-            cache_type_v=self.cache_type_v, verbose=self.verbose,
+            cache_type_v=self.cache_type_v, rpc=self.rpc, verbose=self.verbose,
         )
         return planned.n_parallel, planned.n_ctx
 

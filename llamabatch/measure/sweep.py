@@ -62,7 +62,9 @@ def describe(settings: SweepSettings, config: EngineConfig) -> str:
             + (", shared prompt" if settings.shared_prompt else "")
             + (", deterministic" if config.deterministic else "")
             + (f", speculative {config.speculative}" if config.speculative != "off" else "")
-            + (f", LoRA {', '.join(config.lora)}" if config.lora else ""))
+            + (f", LoRA {', '.join(config.lora)}" if config.lora else "")
+            + (f", RPC {','.join(config.rpc)}" if config.rpc else "")
+            + (f", tensor split {','.join(f'{x:g}' for x in config.tensor_split)}" if config.tensor_split else ""))
 
 
 @dataclass
@@ -275,6 +277,8 @@ def native_command(engine: BatchEngine, settings: SweepSettings, b: int) -> list
         "-npp", str(settings.prompt_tokens), "-ntg", str(settings.gen_tokens), "-npl", str(b),
         "-kvu" if config.kv_unified else "-no-kvu", *(["-pps"] if settings.shared_prompt else []),
         *[arg for id, scale in engine.adapters.default for arg in ("--lora-scaled", f"{engine.adapters.info[id].path}:{scale}")],
+        *(["--rpc", ",".join(config.rpc)] if config.rpc else []),
+        *(["-ts", ",".join(f"{x:g}" for x in config.tensor_split)] if config.tensor_split else []),
     ]
 
 

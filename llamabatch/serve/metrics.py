@@ -103,4 +103,5 @@ class _EngineInfo(Collector):
         yield InfoMetricFamily("llamabatch_engine", "The loaded engine's settings", value={
             "model": engine.model_name, "cache_type_k": k, "cache_type_v": v, "flash_attn": engine.ctx.flash_attn,
             "parallel": str(engine.config.n_parallel), "adapters": ",".join(a.name for a in engine.adapters.info),
+            "rpc": ",".join(engine.config.rpc),
         })

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, HTTPException
-from pydantic import BaseModel, Field, StrictBool, StrictStr
+from pydantic import BaseModel, Field, StrictBool
 
 from ..engine import BatchEngine
 from ..errors import LlamabatchError
