@@ -125,9 +125,6 @@ class Sequence:
             if sampler is not None:
                 sampler.close()
 
-    def chunk(self) -> list[int]:
-        return self.tokens[self.n_past : self.n_past + self.n_chunk]
-
     def result(self) -> Result:
         timings = None
         if self.t_first_token is not None and self.t_finished is not None:
