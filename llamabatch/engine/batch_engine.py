@@ -19,7 +19,7 @@ from .drafters import DraftModel, Drafter, NgramDrafter
 from .embedding import MAX_TEXTS_PER_DECODE, Embedder, Pooling, finish, model_pooling
 from ..errors import ConfigError, ConstraintError, DecodeError, EngineBroken, PromptError, SamplingError
 from .native import KV_FULL, Batch, Context, Model, Vocab, init_backend, use_row_invariant_matmul
-from .rpc import exit_when_lost, local_accelerators, remote_devices
+from .rpc import guard as rpc_guard, local_accelerators, remote_devices
 from .results import Event, PromptScore, Result, RunStats, Score
 from .sampling import GreedySampler, SamplingParams, build_sampler, score_rows, token_logprob
 from .scheduler import LONE_ROW_MAX_CELLS, Filler, Scheduler
@@ -142,8 +142,8 @@ class BatchEngine:
         if not cfg.rpc:
             return dict(tensor_split=cfg.tensor_split)
         devices = remote_devices(cfg.rpc) + local_accelerators()
-        exit_when_lost(cfg.rpc, cfg.rpc_timeout)  # from here, a remote gone is an exit, not an abort or a hang
-        return dict(devices=[d.handle for d in devices], tensor_split=cfg.tensor_split)
+        rpc_guard.exit_when_lost(cfg.rpc, cfg.rpc_timeout)  # from here, a remote gone is an exit, not an abort or a hang
+        return dict(devices=devices, tensor_split=cfg.tensor_split)
 
     def _drafter(self, draft_path: Path | None) -> Drafter | None:
         cfg = self.config
@@ -744,7 +744,7 @@ class BatchEngine:
         self.adapters.close()  # before the model, which would free them itself
         self.model.close()
         if self.config.rpc:
-            exit_when_lost((), 0)
+            rpc_guard.exit_when_lost((), 0)
 
     def __enter__(self) -> BatchEngine:
         return self

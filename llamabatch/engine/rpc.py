@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from importlib.metadata import version
 
 import llama_cpp
@@ -55,9 +54,6 @@ for _name, _args, _ret in (
     ("ggml_backend_dev_get", [_size], _vp),
     ("ggml_backend_dev_by_type", [ctypes.c_int], _vp),
     ("ggml_backend_dev_type", [_vp], ctypes.c_int),
-    ("ggml_backend_dev_name", [_vp], _str),
-    ("ggml_backend_dev_description", [_vp], _str),
-    ("ggml_backend_dev_memory", [_vp, ctypes.POINTER(_size), ctypes.POINTER(_size)], None),
 ):
     getattr(libggml, _name).argtypes, getattr(libggml, _name).restype = _args, _ret
 
@@ -65,24 +61,6 @@ _add_server_fn = ctypes.CFUNCTYPE(_vp, _str)
 _start_server_fn = ctypes.CFUNCTYPE(None, _str, _str, _size, _size, ctypes.POINTER(_vp))
 _abort_fn = ctypes.CFUNCTYPE(None, _str)
 libggml.ggml_set_abort_callback.argtypes, libggml.ggml_set_abort_callback.restype = [_abort_fn], _abort_fn
-
-
-@dataclass(frozen=True)
-class Device:
-    """A ggml device as llama.cpp names it (RPC0, CUDA0, CPU), with its memory."""
-
-    handle: int
-    name: str
-    description: str
-    free: int
-    total: int
-
-    @classmethod
-    def of(cls, handle: int) -> Device:
-        free, total = _size(), _size()
-        libggml.ggml_backend_dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
-        name, description = libggml.ggml_backend_dev_name(handle), libggml.ggml_backend_dev_description(handle)
-        return cls(handle, name.decode(), description.decode(), free.value, total.value)
 
 
 def rebuild_hint() -> str:
@@ -171,8 +149,8 @@ def _receive(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def remote_devices(endpoints: Sequence[str]) -> list[Device]:
-    """Each endpoint's devices, in the order given (llama.cpp's tensor-split order)."""
+def remote_devices(endpoints: Sequence[str]) -> list[int]:
+    """Each endpoint's devices (ggml handles), in the order given (llama.cpp's tensor-split order)."""
     add_server = _add_server_fn(libggml.ggml_backend_reg_get_proc_address(require_rpc(), b"ggml_backend_rpc_add_server"))
     devices = []
     for endpoint in endpoints:
@@ -180,25 +158,23 @@ def remote_devices(endpoints: Sequence[str]) -> list[Device]:
         reg = add_server(endpoint.encode())
         if not reg:
             raise ModelError(f"RPC server {endpoint} has no devices")
-        devices += [Device.of(libggml.ggml_backend_reg_dev_get(reg, i)) for i in range(libggml.ggml_backend_reg_dev_count(reg))]
+        devices += [libggml.ggml_backend_reg_dev_get(reg, i) for i in range(libggml.ggml_backend_reg_dev_count(reg))]
     return devices
 
 
-def local_accelerators() -> list[Device]:
-    """This host's GPUs (integrated ones only where there is no discrete one): with remotes,
-    llama.cpp's own default device list is the remotes first, then these."""
-    devices = [Device.of(libggml.ggml_backend_dev_get(i)) for i in range(libggml.ggml_backend_dev_count())]
-    kinds = {d.handle: libggml.ggml_backend_dev_type(d.handle) for d in devices}
-    gpus = [d for d in devices if kinds[d.handle] == _GPU]
-    return gpus or [d for d in devices if kinds[d.handle] == _IGPU]
+def local_accelerators() -> list[int]:
+    """This host's GPUs (integrated ones only where there is no discrete one), as ggml handles:
+    with remotes, llama.cpp's own default device list is the remotes first, then these."""
+    devices = [libggml.ggml_backend_dev_get(i) for i in range(libggml.ggml_backend_dev_count())]
+    kinds = [libggml.ggml_backend_dev_type(d) for d in devices]
+    gpus = [d for d, kind in zip(devices, kinds) if kind == _GPU]
+    return gpus or [d for d, kind in zip(devices, kinds) if kind == _IGPU]
 
 
-def offloads(gpu_layers: int, rpc: Sequence[str] = ()) -> bool:
-    """Whether layers leave this host's CPU: to a local GPU, or to remotes.
-    (llama_supports_gpu_offload() says yes for every RPC-enabled build, GPU or not.)"""
-    if gpu_layers == 0:
-        return False
-    return bool(rpc) or any(libggml.ggml_backend_dev_by_type(kind) for kind in (_GPU, _IGPU))
+def offloads(gpu_layers: int) -> bool:
+    """Whether layers leave this host's CPU for a local GPU. (llama_supports_gpu_offload() says
+    yes for every RPC-enabled build, GPU or not.)"""
+    return gpu_layers != 0 and any(libggml.ggml_backend_dev_by_type(kind) for kind in (_GPU, _IGPU))
 
 
 class _Guard:
@@ -216,7 +192,10 @@ class _Guard:
         self.since: float | None = None  # when the decode in flight began
         self._watchdog: threading.Thread | None = None
 
-    def arm(self, endpoints: Sequence[str], timeout: float) -> None:
+    def exit_when_lost(self, endpoints: Sequence[str], timeout: float) -> None:
+        """While a model on these remotes is loaded, a remote lost (its connection broken, or a
+        decode unanswered for `timeout` seconds) ends this process with EXIT_BACKEND_LOST and a
+        line naming it, not a core dump or a hang. No endpoints: ggml's own abort again."""
         self.endpoints, self.timeout = tuple(endpoints), timeout
         libggml.ggml_set_abort_callback(_exit_on_abort if endpoints else _abort_fn())
         if endpoints and self._watchdog is None:
@@ -263,17 +242,10 @@ def _unreachable(endpoints: Sequence[str]) -> list[str]:
     return down
 
 
-def exit_when_lost(endpoints: Sequence[str], timeout: float) -> None:
-    """While a model on these remotes is loaded, a remote lost (its connection broken, or a
-    decode unanswered for `timeout` seconds) ends this process with EXIT_BACKEND_LOST and a line
-    naming it, not a core dump or a hang. No endpoints: ggml's own abort again."""
-    guard.arm(endpoints, timeout)
-
-
 def serve(host: str, port: int, threads: int) -> None:
     """Run ggml's RPC server on this host's accelerators (else its CPU) until the process ends:
     what llama.cpp's rpc-server does, from llama-cpp-python's own libraries."""
     start = _start_server_fn(libggml.ggml_backend_reg_get_proc_address(require_rpc(), b"ggml_backend_rpc_start_server"))
-    devices = local_accelerators() or [Device.of(libggml.ggml_backend_dev_by_type(_CPU))]
-    handles = (_vp * len(devices))(*(d.handle for d in devices))
+    devices = local_accelerators() or [libggml.ggml_backend_dev_by_type(_CPU)]
+    handles = (_vp * len(devices))(*devices)
     start(f"{host}:{port}".encode(), None, threads, len(devices), handles)
