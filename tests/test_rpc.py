@@ -85,6 +85,17 @@ def test_endpoints_and_shares_are_read_as_llama_server_spells_them():
             rpc.parse_tensor_split(bad)
 
 
+@pytest.mark.skipif(rpc.offloads(-1), reason="on a GPU build --tensor-split shares layers between local GPUs")
+def test_remote_options_without_remotes_are_refused_not_ignored(tiny_model):
+    # on this CPU build nothing is offloaded without --rpc: llama.cpp would ignore the shares
+    with pytest.raises(ConfigError, match="--tensor-split shares offloaded layers .* add --rpc"):
+        BatchEngine(tiny_model, tensor_split="1,1")
+    with pytest.raises(ConfigError, match="--rpc-timeout applies to remotes"):
+        BatchEngine(tiny_model, rpc_timeout=5)
+    run = cli("run", "-m", tiny_model, "-p", "hello", "-ts", "1,1")
+    assert run.returncode == 1 and "--tensor-split shares offloaded layers" in run.stderr
+
+
 @needs_rpc
 def test_modes_that_cannot_run_on_remotes_are_refused_before_loading(tiny_model):
     with pytest.raises(ConfigError, match="--deterministic .* drop --rpc"):

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..catalog import Catalog
 from .adapters import Adapters
-from .config import EngineConfig
+from .config import RPC_TIMEOUT_S, EngineConfig
 from .constraints import Constraint, Grammars
 from .drafters import DraftModel, Drafter, NgramDrafter
 from .embedding import MAX_TEXTS_PER_DECODE, Embedder, Pooling, finish, model_pooling
@@ -142,7 +142,7 @@ class BatchEngine:
         if not cfg.rpc:
             return dict(tensor_split=cfg.tensor_split)
         devices = remote_devices(cfg.rpc) + local_accelerators()
-        rpc_guard.exit_when_lost(cfg.rpc, cfg.rpc_timeout)  # from here, a remote gone is an exit, not an abort or a hang
+        rpc_guard.exit_when_lost(cfg.rpc, cfg.rpc_timeout or RPC_TIMEOUT_S)  # from here, a remote gone is an exit, not an abort or a hang
         return dict(devices=devices, tensor_split=cfg.tensor_split)
 
     def _drafter(self, draft_path: Path | None) -> Drafter | None:

@@ -28,6 +28,7 @@ KV_CELLS_PER_SEQUENCE_MIN = 256
 # ran at the same speed with either. llama.cpp's vectors move with the packing (cosine 0.99972
 # between llama-embedding -c 256 and -c 2048 on Gemma): set 2048 to get llama-embedding's own.
 EMBED_PACK_TOKENS = 256
+RPC_TIMEOUT_S = 600.0  # --rpc-timeout's default
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,8 @@ class EngineConfig:
     rpc: tuple[str, ...] = ()
     tensor_split: tuple[float, ...] = ()
     # ggml waits for a remote without a timeout: a decode unanswered this long means the host is
-    # gone (not merely slow), and the process exits as when a connection breaks.
-    rpc_timeout: float = 600.0
+    # gone (not merely slow), and the process exits as when a connection breaks. None: 600 s.
+    rpc_timeout: float | None = None
     chat: bool = False
     verbose: bool = False
 
@@ -150,7 +151,12 @@ class EngineConfig:
             yield f"--flash-attn must be 'auto', 'on' or 'off', got {self.flash_attn!r}"
         elif self.flash_attn == "off" and self.cache_type_v in CACHE_TYPES and self.cache_type_v not in UNQUANTIZED:
             yield f"a quantized V cache (--cache-type-v {self.cache_type_v}) needs flash attention: use --flash-attn auto or on"
-        if self.rpc_timeout <= 0:
+        if self.rpc_timeout is not None and not self.rpc:
+            yield "--rpc-timeout applies to remotes: add --rpc, or drop --rpc-timeout"
+        elif self.rpc_timeout is not None and self.rpc_timeout <= 0:
             yield f"--rpc-timeout must be > 0 seconds, got {self.rpc_timeout}"
+        if self.tensor_split and not self.rpc and not offloads(self.gpu_layers):
+            # llama.cpp would ignore the shares: nothing is offloaded to share
+            yield "--tensor-split shares offloaded layers between devices, and this engine has none: add --rpc, or drop --tensor-split"
         if self.gpu_layers < -1:
             yield f"gpu_layers must be -1 (all) or >= 0, got {self.gpu_layers}"
