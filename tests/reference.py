@@ -104,3 +104,9 @@ def reference_prompt_logprobs(model_path, tokens: list[int], *, n_ctx: int = 204
 def reference_next_logits(model_path, tokens: list[int], *, n_ctx: int = 2048, n_threads: int = 2) -> np.ndarray:
     """The logits after the whole list, decoded alone."""
     return _logits_alone(model_path, tokens, [len(tokens) - 1], n_ctx=n_ctx, n_threads=n_threads)[0]
+
+
+def batch_seq_ids(batch) -> list[int]:
+    """Each row's seq_id in an engine's batch, as llama.cpp reads it (through the row's pointer)."""
+    rows = batch.handle.seq_id
+    return [rows[i][0] for i in range(batch.n_tokens)]

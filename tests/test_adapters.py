@@ -18,7 +18,7 @@ from llamabatch.engine.native import Batch, Context, LoraAdapter, Model
 from llamabatch.errors import ConfigError, ModelError, SamplingError, UnknownModel
 from llamabatch.jobs import BatchJob
 
-from reference import reference_greedy
+from reference import batch_seq_ids, reference_greedy
 from tiny_model import write_tiny_lora, write_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -106,7 +106,7 @@ def test_each_decode_carries_one_adapter_set_and_the_sets_take_turns(make_engine
     real = engine.ctx.decode
 
     def decode(batch):
-        rows = set(batch.seq_ids())
+        rows = set(batch_seq_ids(batch))
         decoded.append({s.adapters for s in engine.scheduler.running if s.seq_id in rows})
         return real(batch)
 

@@ -8,7 +8,7 @@ import pytest
 
 from llamabatch import PromptError, SamplingParams
 
-from reference import reference_greedy
+from reference import batch_seq_ids, reference_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["hello world", "the capital of France is", "Once upon a time", "def fib(n):",
@@ -42,7 +42,7 @@ def test_batch_rows_hold_positions_seq_ids_and_logits_flags(make_engine):
     batch = engine.batch
     n_c = 16 - lengths[0] - lengths[1]
     assert batch.n_tokens == 16
-    assert batch.seq_ids() == [a.seq_id] * lengths[0] + [b.seq_id] * lengths[1] + [c.seq_id] * n_c
+    assert batch_seq_ids(batch) == [a.seq_id] * lengths[0] + [b.seq_id] * lengths[1] + [c.seq_id] * n_c
     assert list(batch.pos[:16]) == [*range(lengths[0]), *range(lengths[1]), *range(n_c)]
     assert list(batch.token[:16]) == a.tokens[: lengths[0]] + b.tokens[: lengths[1]] + c.tokens[:n_c]
     flagged = [lengths[0] - 1, lengths[0] + lengths[1] - 1]  # c is mid-prompt: no logits yet
@@ -54,7 +54,7 @@ def test_batch_rows_hold_positions_seq_ids_and_logits_flags(make_engine):
     rest = min(lengths[2] - n_c, 16 - 2)
     c_done = n_c + rest == lengths[2]
     assert batch.n_tokens == 2 + rest
-    assert batch.seq_ids() == [a.seq_id, b.seq_id] + [c.seq_id] * rest
+    assert batch_seq_ids(batch) == [a.seq_id, b.seq_id] + [c.seq_id] * rest
     assert list(batch.pos[: 2 + rest]) == [lengths[0], lengths[1], *range(n_c, n_c + rest)]
     assert list(batch.token[:2]) == [a.tokens[lengths[0]], b.tokens[lengths[1]]]
     assert [i for i in range(2 + rest) if batch.logits[i]] == [0, 1] + ([1 + rest] if c_done else [])
@@ -72,7 +72,7 @@ def test_a_prompt_chunk_cut_to_one_token_asks_for_no_logits(make_engine, tiny_mo
     one_token_chunks = 0
     while seq.t_first_token is None:
         engine.step()
-        rows = engine.batch.seq_ids()
+        rows = batch_seq_ids(engine.batch)
         if rows.count(seq.seq_id) == 1:
             one_token_chunks += 1
             assert bool(engine.batch.logits[rows.index(seq.seq_id)]) == (seq.n_past == len(long_prompt))

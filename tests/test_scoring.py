@@ -8,7 +8,7 @@ import math
 import pytest
 
 from llamabatch import SamplingParams
-from llamabatch.engine.batch_engine import scored_prompts
+from llamabatch.engine.scoring import scored_prompts
 from llamabatch.engine.scheduler import Scheduler
 from llamabatch.engine.sequence import Sequence
 

@@ -65,7 +65,7 @@ def test_drafts_never_overflow_the_batch(make_engine):
     with make_engine(n_parallel=4, n_ctx=8192, n_batch=16) as plain:
         expected = outputs(plain, params, prompts)
     with make_engine(n_parallel=4, n_ctx=8192, n_batch=16, speculative="ngram") as fast:
-        fast.planner.plan = lambda n_rows, states: [8] * len(states)
+        fast.speculator.planner.plan = lambda n_rows, states: [8] * len(states)
         assert_same(outputs(fast, params, prompts), expected)
         assert fast.stats.draft_tokens > 0
 
@@ -176,8 +176,8 @@ def sampled_outcomes(engine: BatchEngine, prompt: str | list[int]) -> Counter:
     """The three tokens of 300 seeds, sampled four sequences at a time: after their prompt every
     step is a pure decode step, where drafts go (each drafting its second token: two draft rows
     are forced on every step, and max_tokens leaves room for one)."""
-    if engine.planner is not None:  # draft every step, paying or not: this is about verification
-        engine.planner.plan = lambda n_rows, states: [2] * len(states)
+    if engine.speculator is not None:  # draft every step, paying or not: this is about verification
+        engine.speculator.planner.plan = lambda n_rows, states: [2] * len(states)
     params = [SamplingParams(temperature=1.0, top_k=2, seed=seed, max_tokens=3) for seed in range(300)]
     counts = Counter()
     for i in range(0, len(params), 4):
@@ -247,7 +247,7 @@ def test_greedy_output_is_identical_with_a_draft_model(make_engine, tiny_model, 
         expected = outputs(plain, params)
     with make_engine(n_parallel=3, n_ctx=4096, draft_model=draft_model) as fast:
         assert fast.config.speculative == "draft"  # naming a draft model turns it on
-        fast.planner.plan = lambda n_rows, states: [4] * len(states)  # draft every step: this is about exactness
+        fast.speculator.planner.plan = lambda n_rows, states: [4] * len(states)  # draft every step: this is about exactness
         assert_same(outputs(fast, params), expected)
         stats = fast.stats
     kept = stats.draft_accepted / stats.draft_tokens

@@ -15,21 +15,18 @@ from ..catalog import Catalog
 from .adapters import Adapters
 from .config import RPC_TIMEOUT_S, EngineConfig
 from .constraints import Constraint, Grammars
-from .drafters import DraftModel, Drafter, NgramDrafter
 from .embedding import MAX_TEXTS_PER_DECODE, Embedder, Pooling, finish, model_pooling
 from ..errors import ConfigError, ConstraintError, DecodeError, EngineBroken, PromptError, SamplingError
-from .native import KV_FULL, Batch, Context, Model, Vocab, init_backend, use_row_invariant_matmul
+from .native import KV_FULL, Batch, Context, Model, init_backend, use_row_invariant_matmul
 from .rpc import guard as rpc_guard, local_accelerators, remote_devices
 from .results import Event, PromptScore, Result, RunStats, Score
 from .sampling import GreedySampler, SamplingParams, build_sampler, score_rows, token_logprob
-from .scheduler import LONE_ROW_MAX_CELLS, Filler, Scheduler
+from .scheduler import LONE_ROW_MAX_CELLS, Scheduler
 from .sequence import Sequence, Status
-from .speculation import DraftPlanner, DraftSampler
+from .rows import lay_out
+from .scoring import scored_prompts, total_score
+from .speculator import Speculator
 
-# CPU matrix kernels take a batch's rows four at a time, and the rest by a slower path: with
-# Gemma 3 270M Q4_K_M on this project's CPU, one decode of 7 rows took 61 ms and of 8 rows 43 ms
-# (16: 60 ms, 17: 76 ms; README, "Speculative decoding"). Drafts are lengthened to fill the tile.
-ROW_TILE = 4
 # Logits a step may ask for when prompts are scored (each row is a vocabulary of floats): 256
 # rows of Gemma 3's 262,144, or every row of a batch for a small vocabulary.
 LOGITS_BUDGET_BYTES = 256 << 20
@@ -109,7 +106,7 @@ class BatchEngine:
                 cache_type_k=cfg.cache_type_k, cache_type_v=cfg.cache_type_v, flash_attn=cfg.flash_attn,
             )
             undo.callback(self.ctx.close)
-            self.drafter = self._drafter(draft_path)
+            self.speculator = Speculator.for_config(cfg, self.model.vocab, self.ctx.n_ctx, draft_path)
             undo.pop_all()  # loaded: close() frees them from now on
         self.vocab = self.model.vocab
         self.batch = Batch(self.ctx.n_batch)
@@ -126,7 +123,6 @@ class BatchEngine:
         )
         self._swapped_bytes = 0  # KV of preempted sequences held in host memory
         self.grammars = Grammars(self.vocab)
-        self.planner = DraftPlanner(cfg.draft_max) if self.drafter is not None else None
         self.stats = RunStats()
         self.broken: str | None = None  # why the engine cannot go on, once it cannot
         self._failed_steps = 0  # in a row
@@ -144,17 +140,6 @@ class BatchEngine:
         devices = remote_devices(cfg.rpc) + local_accelerators()
         rpc_guard.exit_when_lost(cfg.rpc, cfg.rpc_timeout or RPC_TIMEOUT_S)  # from here, a remote gone is an exit, not an abort or a hang
         return dict(devices=devices, tensor_split=cfg.tensor_split)
-
-    def _drafter(self, draft_path: Path | None) -> Drafter | None:
-        cfg = self.config
-        if cfg.speculative == "ngram":
-            return NgramDrafter()
-        if cfg.speculative == "draft":
-            return DraftModel(
-                draft_path, self.model.vocab, n_ctx=self.ctx.n_ctx, n_batch=cfg.n_batch, n_seq_max=cfg.n_parallel,
-                n_threads=cfg.n_threads, gpu_layers=cfg.gpu_layers,
-            )
-        return None
 
     # -- submitting work -------------------------------------------------------------
 
@@ -270,7 +255,7 @@ class BatchEngine:
             self._make_way(victim)
         for seq in self.scheduler.admit():
             self._take_cached_prefix(seq)
-        drafted = self._propose_drafts() if self.planner is not None else None  # None: nothing planned
+        drafted = self._propose_drafts() if self.speculator is not None else None  # None: nothing planned
         scheduled = self.scheduler.schedule(reserved=sum(len(s.draft) for s in drafted) if drafted else 0)
         carried += scheduled
         for seq in drafted or ():
@@ -294,9 +279,8 @@ class BatchEngine:
         self._sample(due, logits, events)
         ended = time.perf_counter()
         self.stats.record_step(started, ended)
-        if drafted is not None:  # planned, so a pure decode step (_propose_drafts plans none beside a prompt)
-            setup = self.drafter.prefill_seconds if drafted else 0.0
-            self.planner.observe(bool(drafted), self.stats.completion_tokens - tokens_before, ended - started, setup)
+        if drafted is not None:  # planned, so a pure decode step (the speculator plans none beside a prompt)
+            self.speculator.observe(drafted, self.stats.completion_tokens - tokens_before, ended - started)
 
     def _fail_step(self, carried: list[Sequence], error: Exception) -> list[Event]:
         """End every unfinished sequence the failed step carried with the error (their events
@@ -345,7 +329,7 @@ class BatchEngine:
         for _ in self.run():
             pass
         return [
-            Score(i, 0.0, 0, False, errors[i]) if i in errors else _total_score(i, sequences[i])
+            Score(i, 0.0, 0, False, errors[i]) if i in errors else total_score(i, sequences[i])
             for i in range(len(sequences) + len(errors))
         ]
 
@@ -421,39 +405,11 @@ class BatchEngine:
     # -- inside a step ---------------------------------------------------------------
 
     def _propose_drafts(self) -> list[Sequence] | None:
-        """Drafts for generating sequences that can verify them (greedy, or sampled without
-        penalties; not constrained), as the planner allows and the batch has room: the
-        sequences that got one (None when there was nothing to plan)."""
-        generating = self.scheduler.running
-        # Not beside a prompt: its rows make the step long anyway, and would hide what drafting
-        # costs from the planner (and a draft model's cost from it altogether).
-        if any(s.is_prefilling or s.leader is not None for s in generating):
-            return None
-        if any(s.adapters != generating[0].adapters for s in generating):
-            return None  # the step will decode one adapter set's sequences: drafts only when all share one
-        eligible = [s for s in generating if s.matcher is None and (isinstance(s.sampler, GreedySampler) or s.params.verifiable)]
-        if not eligible:
-            return None
-        for seq in eligible:
-            if seq.drafting is None:
-                seq.drafting = self.planner.state()
-        grants = self.planner.plan(len(generating), [s.drafting for s in eligible])
-        # Draft rows must fit the batch beside every decode row, their logits the logits budget.
-        room = min(self.ctx.n_batch, self.scheduler.max_outputs) - len(generating)
-        lengths, caps = [], []
-        for seq, k in zip(eligible, grants):
-            # The bonus token after the drafts must fit max_tokens and the context too.
-            cap = max(0, min(self.planner.draft_max, room, seq.params.max_tokens - seq.n_generated - 1,
-                             self.ctx.n_ctx_seq - len(seq.tokens) - 1))
-            lengths.append(min(k, cap))
-            caps.append(cap)
-            room -= lengths[-1]
-        if not any(lengths):
-            return []
-        _round_up_to_tile(lengths, caps, len(generating), room)
-        for seq, draft in zip(eligible, self.drafter.propose(eligible, lengths)):
-            seq.draft = draft
-        return [seq for seq in eligible if seq.draft]
+        """Drafts where the speculator plans them; their rows must fit the batch beside every
+        decode row, their logits the logits budget."""
+        running = self.scheduler.running
+        room = min(self.ctx.n_batch, self.scheduler.max_outputs) - len(running)
+        return self.speculator.propose(running, room, self.ctx.n_ctx_seq)
 
     def _make_way(self, victim: Sequence) -> None:
         """Preempt a running sequence for a better-priority one: its KV saved to host memory if
@@ -491,7 +447,10 @@ class BatchEngine:
     def _decode(self, scheduled: list[Sequence]) -> None:
         """One batch of the scheduled sequences' chunks (and deterministic fillers), one decode."""
         fillers = self.scheduler.fillers(scheduled) if self.config.deterministic else []
-        self._fill_batch(scheduled, fillers)
+        # Rows in seq_id order: llama.cpp groups consecutive seq_ids into one micro-batch.
+        rows = sorted([*scheduled, *fillers], key=lambda row: row.seq_id) if fillers else scheduled  # already in order
+        tokens, pos, seq_ids, logits, self._output_row = lay_out(rows, self._filler_logits)
+        self.batch.set(tokens, pos, seq_ids, logits)
         self.stats.decode_calls += 1
         self.stats.sequence_slots += len(scheduled)
         try:
@@ -499,58 +458,6 @@ class BatchEngine:
         finally:
             for filler in fillers:
                 self.ctx.remove_sequence(filler.seq_id, from_pos=filler.pos)
-
-    def _fill_batch(self, scheduled: list[Sequence], fillers: list[Filler]) -> None:
-        """Rows in seq_id order (llama.cpp groups consecutive seq_ids into one micro-batch). A chunk
-        that ends at its sequence's newest token asks for logits there (its row is seq.i_batch)."""
-        rows = sorted([*scheduled, *fillers], key=lambda row: row.seq_id) if fillers else scheduled  # already in order
-        tokens: list[int] = []
-        pos: list[int] = []
-        seq_ids: list[int] = []
-        logits: list[int] = []
-        self._output_row = {}
-        scoring = drafting = False
-        for row in rows:
-            if isinstance(row, Filler):
-                tokens.append(0)
-                pos.append(row.pos)
-                seq_ids.append(row.seq_id)
-                logits.append(int(self._filler_logits))
-                continue
-            start, n = row.n_past, row.n_chunk
-            row.chunk_row = len(tokens)
-            if row.draft:  # its last token and the drafts after it, each with logits to verify it
-                drafting = True
-                tokens.append(row.tokens[start])
-                tokens += row.draft
-                pos += range(start, start + n)
-                seq_ids += [row.seq_id] * n
-                logits += [1] * n
-                row.i_batch = len(tokens) - 1
-                continue
-            if n == 1:  # most rows are one token (decoding): no slices and ranges for them
-                tokens.append(row.tokens[start])
-                pos.append(start)
-                seq_ids.append(row.seq_id)
-                logits.append(0)
-            else:
-                tokens += row.tokens[start : start + n]
-                pos += range(start, start + n)
-                seq_ids += [row.seq_id] * n
-                logits += [0] * n
-            scored = row.scored_rows(start, n)
-            if scored:
-                scoring = True
-                logits[row.chunk_row + scored.start - start : row.chunk_row + scored.stop - start] = [1] * len(scored)
-            # Logits for sampling only where the chunk ends at the newest token: a prompt chunk cut
-            # short by the budget (even to one token) has more prompt to come.
-            row.i_batch = len(tokens) - 1 if start + n == len(row.tokens) else -1
-            if row.i_batch >= 0:
-                logits[-1] = 1
-                self._output_row[row.i_batch] = len(self._output_row)
-        if scoring or drafting or (self._filler_logits and fillers):  # other rows ask for logits too: count them all
-            self._output_row = {i: k for k, i in enumerate(i for i, flag in enumerate(logits) if flag)}
-        self.batch.set(tokens, pos, seq_ids, logits)
 
     def _advance(self, seq: Sequence, due: list[Sequence], logits: np.ndarray | None) -> None:
         """The decode took the chunk into the KV cache: score the prompt tokens it predicts, hand
@@ -609,27 +516,16 @@ class BatchEngine:
             events.append(self._accept(seq, token))
 
     def _verify(self, seq: Sequence, best: np.ndarray | None, logits: np.ndarray) -> list[Event]:
-        """Keep the drafts up to the first the model refuses, then the model's own token there:
-        greedy, the drafts its argmax agrees with; sampled, by rejection sampling (DraftSampler).
-        The rejected drafts' KV is forgotten. Tokens are accepted one by one, so EOS, stop
-        strings and max_tokens cut the run exactly where a step each would have."""
-        draft, seq.draft = seq.draft, []
-        k = len(draft)
+        """Accept what the speculator keeps of the sequence's drafts (their rejected KV is
+        forgotten), one token at a time, so EOS, stop strings and max_tokens cut the run exactly
+        where a step each would have."""
+        k = len(seq.draft)
         first = self._output_row[seq.chunk_row]
-        if isinstance(seq.sampler, GreedySampler):
-            picks = [int(t) for t in best[first : first + k + 1]]
-            n_ok = 0
-            while n_ok < k and picks[n_ok] == draft[n_ok]:
-                n_ok += 1
-            picks = picks[: n_ok + 1]
-        else:
-            if seq.draft_sampler is None:
-                seq.draft_sampler = DraftSampler(seq.params)
-            picks, n_ok = seq.draft_sampler.verify(logits[first : first + k + 1], draft)
+        picks, n_ok = self.speculator.verify(seq, None if best is None else best[first : first + k + 1], logits[first : first + k + 1])
+        seq.draft = []
         seq.n_past -= k - n_ok  # the decode took all k + 1 tokens in; the rejected ones go
         if n_ok < k:
             self.ctx.remove_sequence(seq.seq_id, from_pos=seq.n_past)
-        self.planner.record(seq.drafting, k, n_ok)  # acceptance rates, which plan the next drafts
         self.stats.draft_tokens += k
         self.stats.draft_accepted += n_ok
         events = []
@@ -735,8 +631,8 @@ class BatchEngine:
         """Free every native handle: samplers of unfinished sequences, batch, context, then model."""
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             seq.close_samplers()
-        if self.drafter is not None:
-            self.drafter.close()
+        if self.speculator is not None:
+            self.speculator.close()
         for embedder in self._embedders.values():
             embedder.close()
         self.batch.close()
@@ -752,53 +648,3 @@ class BatchEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _round_up_to_tile(lengths: list[int], caps: list[int], n_rows: int, room: int) -> None:
-    """Lengthen drafts (one token at a time, in turn, within each cap and the batch's room) until
-    the step's decode rows are a multiple of ROW_TILE: on a CPU those rows cost no more than
-    fewer rows (often less), on a GPU next to nothing. Never shortened: a draft's tokens are
-    worth more than the rows they save wherever rows are cheap."""
-    extra = min(room, -(n_rows + sum(lengths)) % ROW_TILE)
-    while extra:
-        growing = [i for i, k in enumerate(lengths) if 0 < k < caps[i]]
-        if not growing:
-            return
-        for i in growing[:extra]:
-            lengths[i] += 1
-        extra -= len(growing[:extra])
-
-
-def scored_prompts(vocab: Vocab, item: str | tuple[str, str], bos: bool, chunk: int | None) -> list[tuple[list[int], int]]:
-    """The token lists to decode for one item, each with the index its scoring starts from.
-
-    A (context, continuation) pair is tokenized as lm-evaluation-harness does: the context's
-    trailing spaces move to the continuation, the whole string is tokenized, and the tokens past
-    the context's own are the continuation's. A text is scored from its second token, or in
-    llama-perplexity's windows when chunk is given."""
-    if isinstance(item, str):
-        tokens = vocab.tokenize(item, add_special=bos)
-        if chunk is None:
-            return [(tokens, 1)]
-        if len(tokens) < chunk:
-            raise PromptError(f"the text is {len(tokens)} tokens: a {chunk}-token window needs at least {chunk}")
-        first = [vocab.bos] if bos else []
-        windows = [tokens[i * chunk : (i + 1) * chunk] for i in range(len(tokens) // chunk)]
-        return [(first + w[len(first):], chunk // 2 + 1) for w in windows]
-    context, continuation = item
-    spaces = len(context) - len(context.rstrip())
-    if spaces:
-        context, continuation = context[:-spaces], context[-spaces:] + continuation
-    head = vocab.tokenize(context, add_special=bos)
-    whole = vocab.tokenize(context + continuation, add_special=bos)
-    if not head:
-        raise PromptError("empty context: give one, or score with a BOS token")
-    if len(whole) <= len(head):
-        raise PromptError("empty continuation: nothing to score")
-    return [(head + whole[len(head):], len(head))]
-
-
-def _total_score(index: int, sequences: list[Sequence]) -> Score:
-    """One item's score over its sequences (llama-perplexity windows: several)."""
-    parts = [seq.scored for seq in sequences]
-    error = next((seq.error for seq in sequences if seq.error), None)
-    return Score(index, sum(p.logprob for p in parts), sum(p.n_tokens for p in parts), all(p.greedy for p in parts), error)

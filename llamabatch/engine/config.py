@@ -33,12 +33,15 @@ RPC_TIMEOUT_S = 600.0  # --rpc-timeout's default
 
 @dataclass(frozen=True)
 class EngineConfig:
-    n_ctx: int = 4096  # total KV cells, split evenly between sequences unless kv_unified
-    n_batch: int = 512  # most tokens per llama_decode
-    n_ubatch: int = 512
-    n_parallel: int = 4  # slots: sequences decoded together
-    n_threads: int = 0  # 0 = all cores
-    gpu_layers: int = -1
+    """An engine's settings. The sizes have no defaults here: they are the model's, from its
+    catalog entry (ModelSpec), so `for_model` is the way to make one."""
+
+    n_ctx: int  # total KV cells, split evenly between sequences unless kv_unified
+    n_batch: int  # most tokens per llama_decode
+    n_ubatch: int
+    n_parallel: int  # slots: sequences decoded together
+    n_threads: int  # 0 = all cores
+    gpu_layers: int  # -1 = all
     # One KV buffer shared by all sequences, not one each. With one each, llama.cpp splits a step
     # whose sequences bring different token counts (a prompt beside decoding ones: the normal
     # case once they end at different times) into several graph runs: 1.2-1.9x slower measured

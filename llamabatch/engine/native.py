@@ -506,11 +506,6 @@ class Batch(_Owner):
             self.logits[:n] = logits
         self.n_tokens, self.n_outputs = n, logits.count(1)
 
-    def seq_ids(self) -> list[int]:
-        """Each row's seq_id as llama.cpp reads it, through the row's pointer."""
-        rows = self.handle.seq_id
-        return [rows[i][0] for i in range(self.n_tokens)]
-
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
 
