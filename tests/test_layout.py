@@ -80,7 +80,9 @@ def test_every_wing_imports_only_what_it_may():
 
 
 def test_nothing_imports_the_cli():
-    assert not [m for m, imported in graph().items() if "llamabatch.cli" in imported]
+    reaching = [m for m, imported in graph().items()
+                if wing(m) != "llamabatch.cli" and any(wing(t) == "llamabatch.cli" for t in imported)]
+    assert not reaching
 
 
 def test_no_import_cycles():

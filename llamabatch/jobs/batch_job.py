@@ -22,7 +22,7 @@ from ..embeddings_format import EmbedSettings
 from ..engine import BatchEngine, SamplingParams
 from ..engine.embedding import Pooling
 from ..errors import EngineBroken, LlamabatchError
-from .inputs import STDIN, BadLine, Format, JobRequest, RequestReader, peek_ids
+from .inputs import STDIN, BadLine, Format, JobLine, RequestReader, peek_ids
 from .ledger import IdSet, JsonlLog, digest, find_duplicate
 from .manifest import Manifest, job_settings
 from .runner import Outcome, RequestRunner
@@ -71,16 +71,16 @@ class Stopped(Exception):
     """A stop signal arrived before the job started decoding."""
 
 
-class BatchJob:
-    """Runs one input file through `engine`, writing `output` and an error file beside it.
+class Job:
+    """What every job has, wherever its requests are answered: the input (read lazily), the
+    output and error files, and resuming. A subclass answers the requests and sets `settings`
+    (what the manifest records); BatchJob answers them with one engine here, RayBatchJob with
+    actors on a cluster."""
 
-    >>> with BatchEngine("gemma3-270m", n_parallel=16) as engine:
-    ...     summary = BatchJob(engine, "requests.jsonl", "results.jsonl").run()
-    """
+    settings: dict
 
     def __init__(
         self,
-        engine: BatchEngine,
         input: str | Path,
         output: str | Path,
         *,
@@ -88,44 +88,10 @@ class BatchJob:
         base: SamplingParams | None = None,
         retry_errors: bool = False,
         overwrite: bool = False,
-        incomplete_errors: bool = False,
-        window: int | None = None,
         on_progress: Callable[[JobSummary], None] | None = None,
-        embed: EmbedSettings | None = None,
-        priority: int = 0,
+        embed: bool = False,
     ) -> None:
-        """`embed` makes it an embedding job (`llamabatch embed`): a text line is a text to embed,
-        and the output may be .parquet or .npy as well as JSON Lines. `priority` ranks its
-        sequences in an engine others use too (the server's batches)."""
-        self.engine = engine
-        self._setup(input, output, errors, base, retry_errors, overwrite, on_progress, embed is not None)
-        vectors = self.output.suffix in (".parquet", ".npy")
-        if vectors:
-            self._vector_output(embed)
-        embedding = replace(embed or EmbedSettings(), one_per_line=vectors)
-        self.runner = RequestRunner(engine, self.format, window, incomplete_errors, embedding, priority=priority)
-        self.settings = job_settings(engine.model_name, engine.model.path, engine.config, self.format, self.base,
-                                     embed and embedding, engine.adapters.chosen)
-
-    def _vector_output(self, embed: EmbedSettings | None) -> None:
-        """A .parquet output is a folder of parts; a .npy output is assembled from one at the end."""
-        if embed is None:
-            self.reader.close()
-            raise LlamabatchError(f"{self.output.suffix} output is for embeddings (llamabatch embed); batch writes JSON Lines")
-        if self.format is Format.OPENAI:
-            self.reader.close()
-            raise LlamabatchError("OpenAI batch lines are answered with OpenAI's output lines: write them to a .jsonl output")
-        if embed.pooling is Pooling.NONE:
-            self.reader.close()
-            raise LlamabatchError(f"--pooling none gives a vector per token, not a row per line: write .jsonl, not {self.output.suffix}")
-        self.parts = self.output if self.output.suffix == ".parquet" else self.output.with_name(self.output.name + ".parts")
-        self._out = ParquetParts(self.parts)
-
-    def _setup(
-        self, input: str | Path, output: str | Path, errors: str | Path | None, base: SamplingParams | None,
-        retry_errors: bool, overwrite: bool, on_progress: Callable[[JobSummary], None] | None, embed: bool = False,
-    ) -> None:
-        """What every job has, wherever its requests run: the input, the output files, resuming."""
+        """`embed`: the input's text lines are texts to embed, not prompts."""
         self.input = input
         self.output = Path(output)
         self.errors = Path(errors) if errors is not None else self.output.with_name(self.output.name + ".errors.jsonl")
@@ -149,47 +115,9 @@ class BatchJob:
         self.stop_signals: list[str] = []
 
     def request_stop(self, reason: str = "stop") -> None:
-        """First call: admit nothing more and let running sequences finish. Second: drop them.
-        Safe from a signal handler: it only records the request."""
+        """Admit nothing more (a second call: drop what runs). Safe from a signal handler: it
+        only records the request."""
         self.stop_signals.append(reason)
-        self.runner.request_stop(reason)
-
-    # -- the run -------------------------------------------------------------------------
-
-    def run(self) -> JobSummary:
-        started = time.perf_counter()
-        stats = self.engine.stats
-        stats_before = (stats.decode_calls, stats.sequence_slots, stats.draft_tokens, stats.draft_accepted)
-        try:
-            for outcome in self._outcomes(self.prepare()):
-                self.record(outcome)
-        except Stopped:
-            pass
-        except EngineBroken as e:  # what finished is written; a resumed run (--retry-errors) does the rest
-            self.summary.broken = str(e)
-        finally:
-            self.close()
-            s, (calls, slots, drafted, accepted) = self.summary, stats_before
-            s.stopped_by = self.stop_signals[0] if self.stop_signals else None
-            s.wall_s = time.perf_counter() - started
-            s.decode_calls = stats.decode_calls - calls
-            s.mean_active_sequences = (stats.sequence_slots - slots) / s.decode_calls if s.decode_calls else 0.0
-            s.draft_tokens = stats.draft_tokens - drafted
-            s.draft_acceptance = (stats.draft_accepted - accepted) / s.draft_tokens if s.draft_tokens else 0.0
-        return self.summary
-
-    def close(self) -> None:
-        """Close the input and the output files (synced to disk); a complete .npy job assembles
-        its array now."""
-        self.reader.close()
-        self._out.close()
-        self._err.close()
-        if self.output.suffix == ".npy" and self.summary.complete and not self.stop_signals and self.parts.is_dir():
-            write_npy(self.parts, self.output)
-
-    def _outcomes(self, done: IdSet) -> Iterator[Outcome]:
-        """Every request not in `done`, answered (where the Ray job sends them to its actors)."""
-        return self.runner.run(self.pending(done))
 
     def record(self, outcome: Outcome) -> None:
         """Write a request's line to the output or the error file, and count it."""
@@ -265,7 +193,7 @@ class BatchJob:
             "use --overwrite to start afresh, or another output"
         )
 
-    def pending(self, done: IdSet) -> Iterator[JobRequest | BadLine]:
+    def pending(self, done: IdSet) -> Iterator[JobLine | BadLine]:
         """The input's requests that `done` (from prepare()) does not hold, read as they are asked for."""
         seen: set[bytes] | None = set() if self.summary.total is None else None  # stdin: duplicates found as they come
         for item in self.reader:
@@ -281,8 +209,102 @@ class BatchJob:
             yield item
 
 
+class BatchJob(Job):
+    """Runs one input file through `engine`, writing `output` and an error file beside it.
+
+    >>> with BatchEngine("gemma3-270m", n_parallel=16) as engine:
+    ...     summary = BatchJob(engine, "requests.jsonl", "results.jsonl").run()
+    """
+
+    def __init__(
+        self,
+        engine: BatchEngine,
+        input: str | Path,
+        output: str | Path,
+        *,
+        errors: str | Path | None = None,
+        base: SamplingParams | None = None,
+        retry_errors: bool = False,
+        overwrite: bool = False,
+        incomplete_errors: bool = False,
+        window: int | None = None,
+        on_progress: Callable[[JobSummary], None] | None = None,
+        embed: EmbedSettings | None = None,
+        priority: int = 0,
+    ) -> None:
+        """`embed` makes it an embedding job (`llamabatch embed`): a text line is a text to embed,
+        and the output may be .parquet or .npy as well as JSON Lines. `priority` ranks its
+        sequences in an engine others use too (the server's batches)."""
+        self.engine = engine
+        super().__init__(input, output, errors=errors, base=base, retry_errors=retry_errors, overwrite=overwrite,
+                         on_progress=on_progress, embed=embed is not None)
+        vectors = self.output.suffix in (".parquet", ".npy")
+        if vectors:
+            self._vector_output(embed)
+        embedding = replace(embed or EmbedSettings(), one_per_line=vectors)
+        self.runner = RequestRunner(engine, self.format, window, incomplete_errors, embedding, priority=priority)
+        self.settings = job_settings(engine.model_name, engine.model.path, engine.config, self.format, self.base,
+                                     embed and embedding, engine.adapters.chosen)
+
+    def _vector_output(self, embed: EmbedSettings | None) -> None:
+        """A .parquet output is a folder of parts; a .npy output is assembled from one at the end."""
+        if embed is None:
+            self.reader.close()
+            raise LlamabatchError(f"{self.output.suffix} output is for embeddings (llamabatch embed); batch writes JSON Lines")
+        if self.format is Format.OPENAI:
+            self.reader.close()
+            raise LlamabatchError("OpenAI batch lines are answered with OpenAI's output lines: write them to a .jsonl output")
+        if embed.pooling is Pooling.NONE:
+            self.reader.close()
+            raise LlamabatchError(f"--pooling none gives a vector per token, not a row per line: write .jsonl, not {self.output.suffix}")
+        self.parts = self.output if self.output.suffix == ".parquet" else self.output.with_name(self.output.name + ".parts")
+        self._out = ParquetParts(self.parts)
+
+    def request_stop(self, reason: str = "stop") -> None:
+        """First call: admit nothing more and let running sequences finish. Second: drop them."""
+        super().request_stop(reason)
+        self.runner.request_stop(reason)
+
+    # -- the run -------------------------------------------------------------------------
+
+    def run(self) -> JobSummary:
+        started = time.perf_counter()
+        stats = self.engine.stats
+        stats_before = (stats.decode_calls, stats.sequence_slots, stats.draft_tokens, stats.draft_accepted)
+        try:
+            for outcome in self._outcomes(self.prepare()):
+                self.record(outcome)
+        except Stopped:
+            pass
+        except EngineBroken as e:  # what finished is written; a resumed run (--retry-errors) does the rest
+            self.summary.broken = str(e)
+        finally:
+            self.close()
+            s, (calls, slots, drafted, accepted) = self.summary, stats_before
+            s.stopped_by = self.stop_signals[0] if self.stop_signals else None
+            s.wall_s = time.perf_counter() - started
+            s.decode_calls = stats.decode_calls - calls
+            s.mean_active_sequences = (stats.sequence_slots - slots) / s.decode_calls if s.decode_calls else 0.0
+            s.draft_tokens = stats.draft_tokens - drafted
+            s.draft_acceptance = (stats.draft_accepted - accepted) / s.draft_tokens if s.draft_tokens else 0.0
+        return self.summary
+
+    def close(self) -> None:
+        """Close the input and the output files (synced to disk); a complete .npy job assembles
+        its array now."""
+        self.reader.close()
+        self._out.close()
+        self._err.close()
+        if self.output.suffix == ".npy" and self.summary.complete and not self.stop_signals and self.parts.is_dir():
+            write_npy(self.parts, self.output)
+
+    def _outcomes(self, done: IdSet) -> Iterator[Outcome]:
+        """Every request not in `done`, answered (where the Ray job sends them to its actors)."""
+        return self.runner.run(self.pending(done))
+
+
 @contextmanager
-def stop_on_signals(job: BatchJob) -> Iterator[None]:
+def stop_on_signals(job: Job) -> Iterator[None]:
     """SIGINT and SIGTERM ask the job to stop (twice: at once) instead of killing the process,
     so what finished is written and the job can resume. Only the main thread can install them."""
     if threading.current_thread() is not threading.main_thread():

@@ -41,7 +41,7 @@ class Format(Enum):
 
 
 @dataclass(frozen=True)
-class JobRequest:
+class JobLine:
     """One line that can run: an OpenAI body for one of ENDPOINTS, or a prompt with its params."""
 
     id: str
@@ -125,7 +125,7 @@ def detect_format(first: str | None) -> Format:
 
 
 class RequestReader:
-    """Reads one input lazily, yielding a JobRequest or BadLine per non-blank line."""
+    """Reads one input lazily, yielding a JobLine or BadLine per non-blank line."""
 
     def __init__(self, source: str | Path, base: SamplingParams | None = None, embed: bool = False) -> None:
         self.source = source
@@ -145,7 +145,7 @@ class RequestReader:
         """Close the input file (safe to call twice; reading stops there)."""
         self._lines.close()
 
-    def __iter__(self) -> Iterator[JobRequest | BadLine]:
+    def __iter__(self) -> Iterator[JobLine | BadLine]:
         first, self._first = self._first, None
         if first is None:
             raise LlamabatchError("a RequestReader is read once")
@@ -161,14 +161,14 @@ class LineParser:
     base: SamplingParams
     embed: bool = False  # `llamabatch embed`: a text line is a text to embed, not a prompt
 
-    def parse(self, n: int, text: str | None) -> JobRequest | BadLine:
+    def parse(self, n: int, text: str | None) -> JobLine | BadLine:
         digest = request_digest(text)
         if text is None:
             return BadLine(line_id(n), n, digest, "not UTF-8 text")
         if self.format is Format.TEXT:
             if self.embed:
-                return JobRequest(line_id(n), n, digest, embedding=EmbeddingRequest(input=text.rstrip("\r\n")))
-            return JobRequest(line_id(n), n, digest, prompt=text.rstrip("\r\n"), params=self.base)
+                return JobLine(line_id(n), n, digest, embedding=EmbeddingRequest(input=text.rstrip("\r\n")))
+            return JobLine(line_id(n), n, digest, prompt=text.rstrip("\r\n"), params=self.base)
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
@@ -181,7 +181,7 @@ class LineParser:
         parse = self._openai if self.format is Format.OPENAI else self._jsonl
         return parse(id_, n, digest, obj)
 
-    def _openai(self, id_: str, n: int, digest: str, obj: dict) -> JobRequest | BadLine:
+    def _openai(self, id_: str, n: int, digest: str, obj: dict) -> JobLine | BadLine:
         unknown = set(obj) - _OPENAI_FIELDS
         if unknown:
             return BadLine(id_, n, digest, f"unknown fields {sorted(unknown)} (a line has custom_id, method, url, body)")
@@ -206,15 +206,15 @@ class LineParser:
             return BadLine(id_, n, digest, validation_message(e), status=400)
         except LlamabatchError as e:
             return BadLine(id_, n, digest, str(e), status=400)
-        return JobRequest(id_, n, digest, url=url, body=body)
+        return JobLine(id_, n, digest, url=url, body=body)
 
-    def _embedding(self, id_: str, n: int, digest: str, fields_: dict, url: str | None = None) -> JobRequest | BadLine:
+    def _embedding(self, id_: str, n: int, digest: str, fields_: dict, url: str | None = None) -> JobLine | BadLine:
         try:
-            return JobRequest(id_, n, digest, url=url, embedding=EmbeddingRequest.model_validate(fields_))
+            return JobLine(id_, n, digest, url=url, embedding=EmbeddingRequest.model_validate(fields_))
         except ValidationError as e:
             return BadLine(id_, n, digest, validation_message(e), status=400)
 
-    def _jsonl(self, id_: str, n: int, digest: str, obj: dict) -> JobRequest | BadLine:
+    def _jsonl(self, id_: str, n: int, digest: str, obj: dict) -> JobLine | BadLine:
         if "input" in obj or self.embed:  # {"input": ..., "dimensions", "truncate"}: texts to embed
             return self._embedding(id_, n, digest, {k: v for k, v in obj.items() if k != "id"})
         prompt = obj.get("prompt")
@@ -233,7 +233,7 @@ class LineParser:
             return BadLine(id_, n, digest, f"lora: {validation_message(e)}", status=400)
         except LlamabatchError as e:
             return BadLine(id_, n, digest, str(e), status=400)
-        return JobRequest(id_, n, digest, prompt=prompt, params=params, model=model, lora=lora)
+        return JobLine(id_, n, digest, prompt=prompt, params=params, model=model, lora=lora)
 
 
 def jsonl_params(base: SamplingParams, fields_: dict) -> SamplingParams:

@@ -30,8 +30,8 @@ from ..catalog import Catalog
 from ..engine import BatchEngine, EngineConfig, SamplingParams
 from ..engine.adapters import chosen_adapters
 from ..errors import LlamabatchError
-from .batch_job import BatchJob, JobSummary, Stopped
-from .inputs import STDIN, BadLine, Format, JobRequest, LineParser, numbered_lines, peek_id
+from .batch_job import Job, JobSummary, Stopped
+from .inputs import STDIN, BadLine, Format, JobLine, LineParser, numbered_lines, peek_id
 from .ledger import IdSet, digest
 from .manifest import job_settings
 from .runner import IDLE, Outcome, RequestRunner
@@ -89,13 +89,13 @@ class BatchPredictor:
     def __init__(self, format: str, engine: dict, base: dict | None = None, incomplete_errors: bool = False) -> None:
         self.engine = BatchEngine(**engine)
         self.parser = LineParser(Format(format), SamplingParams(**base) if base else SamplingParams())
-        self._pending: deque[JobRequest | BadLine] = deque()  # parsed, not yet handed to the engine
+        self._pending: deque[JobLine | BadLine] = deque()  # parsed, not yet handed to the engine
         self._answered: dict[str, Outcome] = {}  # finished, not yet taken by their batch
         self._driving = threading.Lock()
         runner = RequestRunner(self.engine, self.parser.format, incomplete_errors=incomplete_errors)
         self._outcomes = runner.run(self._feed())
 
-    def _feed(self) -> Iterator[JobRequest | BadLine | object]:
+    def _feed(self) -> Iterator[JobLine | BadLine | object]:
         while True:
             yield self._pending.popleft() if self._pending else IDLE
 
@@ -125,7 +125,7 @@ def _rows(outcomes: list[Outcome]) -> dict[str, list]:
             "incomplete": [o.incomplete for o in outcomes]}
 
 
-class RayBatchJob(BatchJob):
+class RayBatchJob(Job):
     """`llamabatch batch --ray`: the same job, its requests answered by `replicas` actors."""
 
     def __init__(
@@ -146,7 +146,8 @@ class RayBatchJob(BatchJob):
     ) -> None:
         if str(input) == STDIN:
             raise LlamabatchError("--ray reads the job from a file (its read task runs in a Ray worker, not on this terminal)")
-        self._setup(input, output, errors, base, retry_errors, overwrite, on_progress)
+        super().__init__(input, output, errors=errors, base=base, retry_errors=retry_errors, overwrite=overwrite,
+                         on_progress=on_progress)
         self.reader.close()  # the read task opens the file itself
         spec = Catalog.load(engine.get("catalog")).resolve(engine.get("model"))
         # The driver checks the model and settings before the cluster loads them: the actors' engines' config.
@@ -159,9 +160,6 @@ class RayBatchJob(BatchJob):
         self.address = address
         self.replicas = replicas
         self.threads = threads
-
-    def request_stop(self, reason: str = "stop") -> None:
-        self.stop_signals.append(reason)
 
     def run(self) -> JobSummary:
         started = time.perf_counter()

@@ -11,13 +11,13 @@ import numpy as np
 from ..embeddings_format import EmbedSettings, embeddings_body
 from ..engine import BatchEngine, Sequence
 from ..openai_format import ENDPOINTS, error_body, new_id, response_body, usage
-from .inputs import BadLine, Format, JobRequest
+from .inputs import BadLine, Format, JobLine
 
 # Every line records the digest of the request it answers (inputs.request_digest): a resumed job
 # checks the input still asks the same before it skips what is written.
 
 
-def result_record(fmt: Format, request: JobRequest, sequences: Seq[Sequence], engine: BatchEngine, created: int) -> dict:
+def result_record(fmt: Format, request: JobLine, sequences: Seq[Sequence], engine: BatchEngine, created: int) -> dict:
     """A finished request's output line."""
     if fmt is Format.OPENAI:
         kind = ENDPOINTS[request.url][1]
@@ -32,7 +32,7 @@ def result_record(fmt: Format, request: JobRequest, sequences: Seq[Sequence], en
 
 
 def embedding_record(
-    fmt: Format, request: JobRequest, rows: list[np.ndarray], prompt_tokens: int, model: str, settings: EmbedSettings,
+    fmt: Format, request: JobLine, rows: list[np.ndarray], prompt_tokens: int, model: str, settings: EmbedSettings,
 ) -> dict:
     """An embedded request's output line: the server's /v1/embeddings body for OpenAI lines, else
     the vector ("embedding"), or the vectors of a list of inputs ("embeddings")."""
@@ -47,7 +47,7 @@ def embedding_record(
             "usage": body["usage"], "request_digest": request.digest}
 
 
-def error_record(fmt: Format, item: JobRequest | BadLine, message: str, status: int | None) -> dict:
+def error_record(fmt: Format, item: JobLine | BadLine, message: str, status: int | None) -> dict:
     """A failed request's error line. `status` is what the server would answer for the same body
     (400 invalid, 404 a model not served, 500 failed while generating), or None for a line that is not a request at all;
     in OpenAI's format a status comes with the server's error body, as OpenAI writes HTTP errors."""
@@ -61,7 +61,7 @@ def error_record(fmt: Format, item: JobRequest | BadLine, message: str, status: 
     return {"id": _batch_id(), "custom_id": item.id, "response": response, "error": error, "request_digest": item.digest}
 
 
-def incomplete_record(record: dict, request: JobRequest, message: str) -> dict:
+def incomplete_record(record: dict, request: JobLine, message: str) -> dict:
     """A whole answer bound for the error file (`batch --incomplete-errors`): its structured output
     was cut before it was complete, so it is kept, with an error saying why it is not a result."""
     return {**record, "error": {"code": "incomplete_output", "message": message, "line": request.line}}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from ..engine import BatchEngine, Event, SamplingParams, Sequence, Status
 from ..errors import LlamabatchError
 from ..openai_format import check_base_model, engine_inputs, failure, refusal_status, usage
-from .inputs import BadLine, Format, JobRequest
+from .inputs import BadLine, Format, JobLine
 from ..embeddings_format import EmbedSettings, embedding_tokens
 from .records import embedding_record, error_record, incomplete_record, result_record
 
@@ -35,7 +35,7 @@ class Outcome:
 class _Open:
     """A request in the engine: its sequences, and how many have not finished yet."""
 
-    request: JobRequest
+    request: JobLine
     sequences: list[Sequence] = field(default_factory=list)
     n_open: int = 0
 
@@ -53,7 +53,7 @@ class RequestRunner:
         self.embedding = embedding
         # Where its sequences rank (scheduler.rank): a line's own `priority` is added to this.
         self.priority, self.priority_class = priority, priority_class
-        self._to_embed: list[tuple[JobRequest, list[list[int]]]] = []  # embedding requests, pooled a decode's worth at a time
+        self._to_embed: list[tuple[JobLine, list[list[int]]]] = []  # embedding requests, pooled a decode's worth at a time
         self._to_embed_tokens = 0
         self.window = window or WINDOW_PER_SLOT * engine.config.n_parallel
         self.stop_signals: list[str] = []  # set by signal handlers, acted on between steps
@@ -68,7 +68,7 @@ class RequestRunner:
         Safe from a signal handler: it only records the request."""
         self.stop_signals.append(reason)
 
-    def run(self, requests: Iterable[JobRequest | BadLine]) -> Iterator[Outcome]:
+    def run(self, requests: Iterable[JobLine | BadLine]) -> Iterator[Outcome]:
         """Every request answered, this runner stepping the engine itself."""
         requests = iter(requests)
         while True:
@@ -82,7 +82,7 @@ class RequestRunner:
 
     # -- driven from outside: the server's worker steps one engine for many runners ----------
 
-    def feed(self, requests: Iterator[JobRequest | BadLine]) -> Iterator[Outcome]:
+    def feed(self, requests: Iterator[JobLine | BadLine]) -> Iterator[Outcome]:
         """Between steps: act on stop requests, queue requests until the window is full, and pool
         the embedding requests that came in. Yields the requests answered without a step."""
         self._act_on_signals()
@@ -136,7 +136,7 @@ class RequestRunner:
                     self._open.pop(seq.uid, None)
                 self._n_open_sequences -= req.n_open
 
-    def _submit(self, request: JobRequest) -> Iterator[Outcome]:
+    def _submit(self, request: JobLine) -> Iterator[Outcome]:
         """Queue the request's prompts; one that cannot run fails the request alone."""
         req = _Open(request)
         try:
@@ -163,14 +163,14 @@ class RequestRunner:
         for seq in open_sequences:
             self._open[seq.uid] = req
 
-    def _params(self, request: JobRequest) -> SamplingParams:
+    def _params(self, request: JobLine) -> SamplingParams:
         """A JSONL line's params, its adapters chosen by its model and lora fields (as the server's)."""
         if request.model is None and request.lora is None:
             return request.params
         adapters = self.engine.adapters.choose(request.model, request.lora, {self.engine.model_name})
         return replace(request.params, adapters=adapters)
 
-    def _submit_embedding(self, request: JobRequest) -> Iterator[Outcome]:
+    def _submit_embedding(self, request: JobLine) -> Iterator[Outcome]:
         """Tokenize the request's texts (one refused fails the request alone) and hold them: texts
         of many requests share each decode."""
         try:
@@ -231,5 +231,5 @@ class RequestRunner:
             record = incomplete_record(record, req.request, message)
         return Outcome(req.request.id, ok, record, counted["prompt_tokens"], counted["completion_tokens"], len(cut))
 
-    def _failure(self, item: JobRequest | BadLine, message: str, status: int | None) -> Outcome:
+    def _failure(self, item: JobLine | BadLine, message: str, status: int | None) -> Outcome:
         return Outcome(item.id, False, error_record(self.format, item, message, status))

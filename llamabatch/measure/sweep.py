@@ -9,6 +9,7 @@ Prompts are random token ids and generation ignores end-of-sequence, so every B 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -287,25 +288,20 @@ def _native_gpu_layers(gpu_layers: int) -> str:
     return "all" if gpu_layers < 0 else str(gpu_layers)
 
 
+# llama.cpp's tools print their results through the log thread, which is not flushed at exit
+# (llama.cpp issue 22142): here about half of the runs of a fast model lost them (tables and
+# JSON Lines alike), and now and then a longer run. Such a run is repeated.
+NATIVE_ATTEMPTS = 10
+
+
 def native_run(engine: BatchEngine, settings: SweepSettings, b: int) -> dict:
     """One llama-batched-bench run of batch size b with settings identical to ours; its JSON row."""
-    command = native_command(engine, settings, b)
-    # Its results go through llama.cpp's log thread, which is not flushed at exit
-    # (llama.cpp issue 22142): a very short run can end before its table is written. Retry.
-    for _ in range(3):
+    command = [*native_command(engine, settings, b), "--output-format", "jsonl"]
+    for _ in range(NATIVE_ATTEMPTS):
         done = subprocess.run(command, capture_output=True, text=True)
-        rows = [row for row in map(_table_row, (done.stdout + done.stderr).splitlines()) if row]
+        rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode != 0 or rows:
             break
     if done.returncode != 0 or not rows:
         raise LlamabatchError(f"llama-batched-bench failed ({done.returncode}): {done.stderr.strip()[-500:]}")
     return rows[0]
-
-
-def _table_row(line: str) -> dict | None:
-    """A result row of llama-batched-bench's markdown table."""
-    cells = [c.strip() for c in line.strip().strip("|").split("|")]
-    if len(cells) != 10 or not cells[0].isdigit():
-        return None
-    pp, tg, pl, n_kv, t_pp, speed_pp, t_tg, speed_tg, t, speed = (float(c) for c in cells)
-    return {"pl": int(pl), "speed_pp": speed_pp, "speed_tg": speed_tg, "speed": speed}

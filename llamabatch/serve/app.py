@@ -39,7 +39,7 @@ from .metrics import Metrics
 from .store import Store
 from .openai_api import BatchRequest, Reply
 from .tokenizer_api import tokenizer_routes
-from .worker import EngineUnavailable, EngineWorker, PoolingRequest, QueueFull, Request
+from .worker import EngineUnavailable, EngineWorker, PoolingSubmission, QueueFull, Submission
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
             prompts, params = engine_inputs(body, engine)
         except LlamabatchError as e:
             raise HTTPException(refusal_status(e), str(e)) from None
-        job = await _submit(worker, prompts, params, metrics, settings.request_timeout, body.priority)
-        reply = Reply(job, engine, kind, settings.request_timeout, metrics, body.shown(), body.model)
+        submission = await _submit(worker, prompts, params, metrics, settings.request_timeout, body.priority)
+        reply = Reply(submission, engine, kind, settings.request_timeout, metrics, body.shown(), body.model)
         if body.stream:
             chunks = reply.chat_chunks(worker) if kind == "chat.completion" else reply.completion_chunks(worker)
             return StreamingResponse(chunks, media_type="text/event-stream")
@@ -145,8 +145,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
             params = request_params(body, _engine(worker))
         except LlamabatchError as e:
             raise HTTPException(refusal_status(e), str(e)) from None
-        job = await _submit(worker, body.prompts, params, metrics, settings.request_timeout, body.priority)
-        reply = Reply(job, _engine(worker), "batch.completion", settings.request_timeout, metrics, model=body.model)
+        submission = await _submit(worker, body.prompts, params, metrics, settings.request_timeout, body.priority)
+        reply = Reply(submission, _engine(worker), "batch.completion", settings.request_timeout, metrics, model=body.model)
         return await reply.batch(worker, http)
 
     @app.post("/v1/embeddings", dependencies=[Depends(authorized)], responses=_errors(400, 401, 404, 429, 500, 503, 504))
@@ -279,15 +279,15 @@ def _served(model: str | None, worker: EngineWorker) -> None:
 
 async def _submit(
     worker: EngineWorker, prompts: list, params: SamplingParams, metrics: Metrics, timeout: float, priority: int = 0,
-) -> Request:
+) -> Submission:
     """Hand the prompts to the engine and wait until it has taken them (within the request's
     timeout). 429 when the queue is full for now, 400 when the request can never run (a prompt
     refused, more sequences than any queue takes), 503 when the engine has stopped."""
     _engine(worker)
-    job = Request(loop=asyncio.get_running_loop(), priority=priority)
+    submission = Submission(loop=asyncio.get_running_loop(), priority=priority)
     try:
-        worker.submit(job, prompts, [params] * len(prompts))
-        await asyncio.wait_for(job.submitted, timeout=max(0.0, job.t_start + timeout - time.perf_counter()))
+        worker.submit(submission, prompts, [params] * len(prompts))
+        await asyncio.wait_for(submission.submitted, timeout=max(0.0, submission.t_start + timeout - time.perf_counter()))
     except QueueFull as e:
         metrics.failed.inc()
         raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
@@ -298,15 +298,15 @@ async def _submit(
         metrics.failed.inc()
         raise HTTPException(400, str(e)) from None
     except asyncio.TimeoutError:
-        worker.cancel(job)  # queued behind the take, should it still come
+        worker.cancel(submission)  # queued behind the take, should it still come
         metrics.failed.inc()
         raise HTTPException(504, f"the engine did not take the request within {timeout:g} s") from None
-    verdict = failure(job.sequences)  # prompts refused at once: empty, too long, a bad constraint
+    verdict = failure(submission.sequences)  # prompts refused at once: empty, too long, a bad constraint
     if verdict is not None:
-        worker.cancel(job)
+        worker.cancel(submission)
         metrics.failed.inc()
         raise HTTPException(verdict.status, verdict.message)
-    return job
+    return submission
 
 
 async def _pool(worker: EngineWorker, tokens, pooling: Pooling | None, timeout: float):
@@ -314,10 +314,10 @@ async def _pool(worker: EngineWorker, tokens, pooling: Pooling | None, timeout: 
     input or model that cannot, 500 when the decode failed, 429, 503 and 504 as for generation."""
     _engine(worker)
     loop = asyncio.get_running_loop()
-    request = PoolingRequest(loop, tokens, pooling, loop.create_future())
+    submission = PoolingSubmission(loop, tokens, pooling, loop.create_future())
     try:
-        worker.pool(request)
-        return await asyncio.wait_for(request.done, timeout)
+        worker.pool(submission)
+        return await asyncio.wait_for(submission.done, timeout)
     except QueueFull as e:
         raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
     except EngineUnavailable as e:

@@ -22,7 +22,7 @@ from ..engine import BatchEngine, Event
 from ..engine.scheduler import BATCH_PRIORITY
 from ..errors import LlamabatchError
 from ..jobs import BatchJob
-from ..jobs.inputs import BadLine, JobRequest, numbered_lines
+from ..jobs.inputs import BadLine, JobLine, numbered_lines
 from ..jobs.ledger import find_duplicate
 from ..jobs.runner import Outcome
 from ..openai_format import ENDPOINTS
@@ -95,7 +95,7 @@ class BatchRun:
 
     id: str
     job: BatchJob
-    requests: Iterator[JobRequest | BadLine]
+    requests: Iterator[JobLine | BadLine]
     store: Store
     expires_at: int
     completed: int = 0

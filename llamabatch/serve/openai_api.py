@@ -17,7 +17,7 @@ from ..openai_format import (
     prompt_logprobs, response_body, usage,
 )
 from .metrics import Metrics
-from .worker import EngineWorker, Request
+from .worker import EngineWorker, Submission
 
 
 class BatchRequest(SamplingFields):
@@ -30,22 +30,22 @@ class Reply:
     """Turns one request's events into OpenAI responses: whole, or as a stream of chunks."""
 
     def __init__(
-        self, job: Request, engine: BatchEngine, kind: str, timeout: float, metrics: Metrics, shown: Shown = Shown(),
+        self, submission: Submission, engine: BatchEngine, kind: str, timeout: float, metrics: Metrics, shown: Shown = Shown(),
         model: str | None = None,
     ) -> None:
         # the model the request named (an adapter's name answers as that adapter, as vLLM does)
-        self.job, self.model, self.kind, self.timeout, self.metrics = job, model or engine.model_name, kind, timeout, metrics
+        self.submission, self.model, self.kind, self.timeout, self.metrics = submission, model or engine.model_name, kind, timeout, metrics
         self.shown = shown
         self.vocab = engine.vocab  # pieces are cached and read-only: safe beside the engine thread
         self.id = new_id(kind)
         self.created = int(time.time())
-        self.n_open = job.n_open  # counted by the engine thread: those that finish by now still send their events
-        self._by_uid = {seq.uid: seq for seq in job.sequences}
+        self.n_open = submission.n_open  # counted by the engine thread: those that finish by now still send their events
+        self._by_uid = {seq.uid: seq for seq in submission.sequences}
 
     async def events(self, worker: EngineWorker, http: HttpRequest | None = None) -> AsyncIterator[Event]:
         """This request's events until every sequence has finished; cancels them if the client
         leaves, the request times out, or the consumer stops early."""
-        deadline = self.job.t_start + self.timeout
+        deadline = self.submission.t_start + self.timeout
         next_check = time.perf_counter() + 0.5
         try:
             while self.n_open:
@@ -57,14 +57,14 @@ class Reply:
                         return
                     next_check = now + 0.5
                 try:
-                    event = await asyncio.wait_for(self.job.events.get(), timeout=0.5)
+                    event = await asyncio.wait_for(self.submission.events.get(), timeout=0.5)
                 except asyncio.TimeoutError:
                     continue
                 self.n_open -= event.finish_reason is not None
                 yield event
         finally:
             if self.n_open:
-                worker.cancel(self.job)
+                worker.cancel(self.submission)
                 self.metrics.failed.inc()
             else:
                 self.metrics.finished.inc()
@@ -81,19 +81,19 @@ class Reply:
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
-        verdict = failure(self.job.sequences)
+        verdict = failure(self.submission.sequences)
         if verdict is not None:
             raise HTTPException(verdict.status, verdict.message)
 
     async def whole(self, worker: EngineWorker, http: HttpRequest) -> dict:
         """The completion or chat.completion object, once every sequence has finished."""
         await self._drain(worker, http)
-        return response_body(self.kind, self.id, self.created, self.model, self.job.sequences, self.vocab, self.shown)
+        return response_body(self.kind, self.id, self.created, self.model, self.submission.sequences, self.vocab, self.shown)
 
     async def batch(self, worker: EngineWorker, http: HttpRequest) -> dict:
         await self._drain(worker, http)
         results = []
-        for seq in self.job.sequences:
+        for seq in self.submission.sequences:
             result = seq.result()
             results.append({
                 "index": result.index, "sample": result.sample, "text": result.text, "finish_reason": result.finish_reason,
@@ -102,7 +102,7 @@ class Reply:
                                                "decode_s": result.timings.decode_s},
             })
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "results": results,
-                "usage": usage(self.job.sequences), "timings": {"wall_s": time.perf_counter() - self.job.t_start}}
+                "usage": usage(self.submission.sequences), "timings": {"wall_s": time.perf_counter() - self.submission.t_start}}
 
     async def completion_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
         async for chunk in _errors_as_events(self._completion_chunks(worker)):
@@ -142,7 +142,7 @@ class Reply:
         return [self._chunk([choice])]
 
     async def _chat_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
-        for seq in self.job.sequences:
+        for seq in self.submission.sequences:
             first = {"index": seq.sample, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
             yield self._chunk([first], object="chat.completion.chunk")
         async for event in self.events(worker):
@@ -164,7 +164,7 @@ class Reply:
 
     def _usage_chunk(self, **extra) -> list[str]:
         """With stream_options.include_usage: a last chunk, no choices, the whole request's usage."""
-        return [_sse(self._object([], usage=usage(self.job.sequences), **extra))] if self.shown.usage_chunk else []
+        return [_sse(self._object([], usage=usage(self.submission.sequences), **extra))] if self.shown.usage_chunk else []
 
 
 async def _errors_as_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:

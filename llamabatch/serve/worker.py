@@ -1,8 +1,8 @@
 """One thread owns the engine and steps it; requests from other threads reach it through an inbox.
 
 The engine (and the llama.cpp context under it) is touched only by the worker thread. Callers
-submit prompts and get a Request back; each step's events are pushed to the Request's asyncio
-queue on the caller's event loop. Cancelling a Request frees its sequences at the next step.
+submit prompts and get a Submission back; each step's events are pushed to the Submission's asyncio
+queue on the caller's event loop. Cancelling a Submission frees its sequences at the next step.
 
 A step that fails fails its own sequences (the engine reports them) and the thread goes on. If
 the engine breaks, every open and queued request fails at once, later ones are refused, and
@@ -42,7 +42,7 @@ class EngineUnavailable(LlamabatchError):
 
 
 @dataclass(eq=False)
-class Request:
+class Submission:
     """One caller's sequences, and the queue their events arrive on."""
 
     loop: asyncio.AbstractEventLoop
@@ -55,7 +55,7 @@ class Request:
 
 
 @dataclass(eq=False)
-class PoolingRequest:
+class PoolingSubmission:
     """One caller's texts to embed (or pairs to score): `tokens` makes their token lists in the
     worker thread, and `done` gets (pooled rows, tokens) or the error. Requests that wait
     together share decodes."""
@@ -85,9 +85,9 @@ class EngineWorker:
         self.broken: str | None = None  # why the engine stopped serving, once it has
         self.ready = threading.Event()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._pooling: list[PoolingRequest] = []  # taken, run after the inbox is drained
+        self._pooling: list[PoolingSubmission] = []  # taken, run after the inbox is drained
         self._batches: list[BatchRun] = []  # server-side batches in progress, fed between steps
-        self._owners: dict[int, tuple[Request, Sequence]] = {}  # sequence uid -> its request, and itself
+        self._owners: dict[int, tuple[Submission, Sequence]] = {}  # sequence uid -> its submission, and itself
         self._last_token_at: dict[int, float] = {}
         self._pending = 0  # sequences submitted but not yet taken by the worker thread
         self._pending_lock = threading.Lock()  # both threads update it
@@ -124,7 +124,7 @@ class EngineWorker:
     def n_batches(self) -> int:
         return len(self._batches)
 
-    def submit(self, request: Request, prompts: list, params: list[SamplingParams]) -> None:
+    def submit(self, submission: Submission, prompts: list, params: list[SamplingParams]) -> None:
         """Queue prompts for `request`. Raises TooLarge when no queue could take them all,
         QueueFull when this one cannot now, EngineUnavailable when the engine has stopped."""
         n = sum(p.n for p in params)
@@ -133,17 +133,17 @@ class EngineWorker:
                 f"the request asks for {n} sequences (prompts x n) and the server queues at most {self.max_queue} "
                 "(--max-queue): split it"
             )
-        request.submitted = request.loop.create_future()
+        submission.submitted = submission.loop.create_future()
         with self._pending_lock:  # held while queueing, so _break either sees this job or refuses it here
             if self.broken is not None:
                 raise EngineUnavailable(self.broken)
             if self.queued + n > self.max_queue:
                 raise QueueFull(f"the queue is full ({self.queued} sequences waiting, --max-queue {self.max_queue})")
             self._pending += n
-            self._inbox.put(lambda: self._take(request, prompts, params))
+            self._inbox.put(lambda: self._take(submission, prompts, params))
 
-    def cancel(self, request: Request) -> None:
-        self._inbox.put(lambda: self._cancel(request))
+    def cancel(self, submission: Submission) -> None:
+        self._inbox.put(lambda: self._cancel(submission))
 
     def run_batch(self, run: BatchRun) -> None:
         """Feed a started batch's requests into the engine between steps until it is done."""
@@ -152,7 +152,7 @@ class EngineWorker:
     def cancel_batch(self, batch_id: str) -> None:
         self._inbox.put(lambda: [run.stop("cancelled") for run in self._batches if run.id == batch_id])
 
-    def pool(self, request: PoolingRequest) -> None:
+    def pool(self, submission: PoolingSubmission) -> None:
         """Queue texts to embed or pairs to score: a waiting request counts as one in the queue
         (it may hold up to 2,048 texts). QueueFull when the queue is full, EngineUnavailable when
         the engine has stopped."""
@@ -162,7 +162,7 @@ class EngineWorker:
             if self.queued + 1 > self.max_queue:
                 raise QueueFull(f"the queue is full ({self.queued} sequences and requests waiting, --max-queue {self.max_queue})")
             self._pending += 1
-            self._inbox.put(lambda: self._pooling.append(request))
+            self._inbox.put(lambda: self._pooling.append(submission))
 
     # -- the worker thread ----------------------------------------------------------------
 
@@ -194,11 +194,11 @@ class EngineWorker:
         """The engine cannot go on: fail every request it holds or has queued, refuse the rest."""
         with self._pending_lock:
             self.broken = f"the engine stopped: {error}"
-        for request, seq in list(self._owners.values()):
+        for submission, seq in list(self._owners.values()):
             seq.finish_reason, seq.error = "error", self.broken
             self._forget(seq)
             event = Event(seq.index, None, "", "error", self.broken, seq.sample, seq.uid)
-            request.loop.call_soon_threadsafe(request.events.put_nowait, event)
+            submission.loop.call_soon_threadsafe(submission.events.put_nowait, event)
         self._drain_inbox(block=False)  # submissions already queued are refused by _take
         for pooling in self._pooling:
             pooling.loop.call_soon_threadsafe(_resolve, pooling.done, EngineUnavailable(self.broken))
@@ -237,32 +237,32 @@ class EngineWorker:
         except queue.Empty:
             pass
 
-    def _take(self, request: Request, prompts: list, params: list[SamplingParams]) -> None:
+    def _take(self, submission: Submission, prompts: list, params: list[SamplingParams]) -> None:
         with self._pending_lock:
             self._pending -= sum(p.n for p in params)
         if self.broken is not None:
-            request.loop.call_soon_threadsafe(_resolve, request.submitted, EngineUnavailable(self.broken))
+            submission.loop.call_soon_threadsafe(_resolve, submission.submitted, EngineUnavailable(self.broken))
             return
         try:
-            sequences = self.engine.submit(prompts, params, priority=request.priority)
+            sequences = self.engine.submit(prompts, params, priority=submission.priority)
         except Exception as e:  # e.g. a chat template the model cannot render
-            request.loop.call_soon_threadsafe(_resolve, request.submitted, e)
+            submission.loop.call_soon_threadsafe(_resolve, submission.submitted, e)
             return
-        request.sequences = sequences
+        submission.sequences = sequences
         for seq in sequences:
             if seq.finish_reason is None:  # not refused, and not done at once (max_tokens 0)
-                self._owners[seq.uid] = (request, seq)
-                request.n_open += 1
-        request.loop.call_soon_threadsafe(_resolve, request.submitted, None)
+                self._owners[seq.uid] = (submission, seq)
+                submission.n_open += 1
+        submission.loop.call_soon_threadsafe(_resolve, submission.submitted, None)
 
-    def _cancel(self, request: Request) -> None:
+    def _cancel(self, submission: Submission) -> None:
         if self.broken is not None:  # its sequences have failed already
             return
-        for seq in request.sequences:
+        for seq in submission.sequences:
             event = self.engine.cancel(seq)
             if event is not None:
                 self._forget(seq)
-                request.loop.call_soon_threadsafe(request.events.put_nowait, event)
+                submission.loop.call_soon_threadsafe(submission.events.put_nowait, event)
 
     def _run_pooling(self) -> None:
         """Every waiting embedding (and rerank) request, packed together into as few decodes as
@@ -273,22 +273,22 @@ class EngineWorker:
             self._pending -= len(waiting)
         waiting = [r for r in waiting if not r.done.done()]  # its client timed out or left: no decode for it
         for pooling in {r.pooling for r in waiting}:
-            taken: list[tuple[PoolingRequest, list[list[int]]]] = []
-            for request in (r for r in waiting if r.pooling == pooling):
+            taken: list[tuple[PoolingSubmission, list[list[int]]]] = []
+            for submission in (r for r in waiting if r.pooling == pooling):
                 try:
-                    taken.append((request, request.tokens(self.engine)))
+                    taken.append((submission, submission.tokens(self.engine)))
                 except Exception as e:  # noqa: BLE001 - an input or model refused: this request's answer
-                    request.loop.call_soon_threadsafe(_resolve, request.done, e)
+                    submission.loop.call_soon_threadsafe(_resolve, submission.done, e)
             if not taken:
                 continue
             try:
                 answers = self.engine.embedder(pooling).embed_groups([lists for _, lists in taken])
             except Exception as e:  # noqa: BLE001 - the decode failed: the requests it carried hear why
-                for request, _ in taken:
-                    request.loop.call_soon_threadsafe(_resolve, request.done, e)
+                for submission, _ in taken:
+                    submission.loop.call_soon_threadsafe(_resolve, submission.done, e)
                 continue
-            for (request, lists), rows in zip(taken, answers):
-                request.loop.call_soon_threadsafe(_resolve, request.done, None, (rows, sum(map(len, lists))))
+            for (submission, lists), rows in zip(taken, answers):
+                submission.loop.call_soon_threadsafe(_resolve, submission.done, None, (rows, sum(map(len, lists))))
 
     def _step(self) -> None:
         slots_before = self.engine.stats.sequence_slots
@@ -304,13 +304,13 @@ class EngineWorker:
         if owner is None:
             self._deliver_to_batch(event, now)
             return
-        request, seq = owner
+        submission, seq = owner
         self._observe(seq, event, now)
         if event.finish_reason is not None:
             self._forget(seq)
-        request.loop.call_soon_threadsafe(request.events.put_nowait, event)
-        if request.events.qsize() > MAX_UNREAD_EVENTS:
-            self._cancel(request)
+        submission.loop.call_soon_threadsafe(submission.events.put_nowait, event)
+        if submission.events.qsize() > MAX_UNREAD_EVENTS:
+            self._cancel(submission)
 
     def _deliver_to_batch(self, event: Event, now: float) -> None:
         for run in self._batches:

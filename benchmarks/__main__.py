@@ -1,0 +1,67 @@
+"""python -m benchmarks --list | NAME [--smoke] [--out DIR] [options...] | report"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from .harness import RESULTS, Report
+
+# name -> module; each has a docstring (its first line describes it), SMOKE (the options of a
+# tiny run, which CI makes of every benchmark), arguments(parser) and run(args, report).
+BENCHMARKS = [
+    "overhead", "sweep", "deterministic", "kv_layout", "samples", "admission", "score", "batch", "embeddings",
+    "constraints", "speculative", "speculative_native", "cache_types", "lora", "priority", "serving", "rpc", "ray",
+    "backend_sampling", "lm_eval",
+]
+
+
+def module(name: str):
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def describe(name: str) -> str:
+    return module(name).__doc__.strip().splitlines()[0]
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\nbenchmarks:\n" + "\n".join(f"  {n:20} {describe(n)}" for n in BENCHMARKS))
+        return 0
+    if argv[0] == "--list":
+        for name in BENCHMARKS:
+            print(f"{name:20} {describe(name)}")
+        return 0
+    if argv[0] == "report":
+        from .report import main as report_main
+
+        return report_main(argv[1:])
+    name = argv[0]
+    if name not in BENCHMARKS:
+        print(f"unknown benchmark {name!r}: python -m benchmarks --list", file=sys.stderr)
+        return 2
+    bench = module(name)
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks {name}", description=bench.__doc__)
+    parser.add_argument("--smoke", action="store_true", help="a tiny run, to check the benchmark works (CI)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"folder for the results file (default: {RESULTS.relative_to(RESULTS.parent.parent)}; a temporary one with --smoke)")
+    bench.arguments(parser)
+    args = parser.parse_args(argv[1:])
+    if args.smoke:  # the smoke sizes, then whatever the command line gives
+        args = parser.parse_args(bench.SMOKE + argv[1:])
+    report = Report(name, shlex.join(["python", "-m", "benchmarks", *argv]), args.smoke)
+    bench.run(args, report)
+    if args.smoke and args.out is None:
+        folder = Path(tempfile.mkdtemp(prefix="llamabatch-smoke-"))
+    else:
+        folder = args.out or RESULTS
+    print(f"results: {report.write(folder)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,116 @@
+"""llamabatch's own cost per step: S_TG against native llama-batched-bench on the tests' tiny model.
+
+The tiny model decodes ~100x faster than Gemma 3 270M, so what is not llama_decode (building the
+batch, reading logits, sampling, bookkeeping) shows, as a GPU would show it. Each round runs
+`llamabatch sweep --baseline native` in a fresh process: within it, llama-batched-bench (built by
+scripts/build_native.sh, same llama.cpp) runs beside each batch size with the same settings.
+`--before DIR` (another checkout) runs its sweep too, alternating with this one.
+
+Then, in this process, each step of a greedy run is split into the time inside llama_decode and
+the rest (llamabatch's Python: the batch, the logits, sampling, bookkeeping): the ratio to native
+is about native's step over (ours inside llama_decode + the rest), which is why it differs
+between machines whose Python and whose matrix kernels differ in speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import time
+
+from llamabatch import BatchEngine, SamplingParams
+from llamabatch.engine import native
+from llamabatch.measure.sweep import SweepSettings
+
+from .harness import ROOT, Spread, alternate, cli, json_lines, median, model_path, paired, run as run_command, tiny_model
+
+SMOKE = ["--rounds", "1", "--batch-sizes", "1,4", "--gen-tokens", "8"]
+
+
+def arguments(parser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF path or catalog name (default: the tests' tiny model)")
+    parser.add_argument("--before", type=Path, default=None, help="another checkout to compare with")
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--gen-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=None,
+                        help="the KV layout of both sides (default: the engine's, unified)")
+
+
+def step_split(model: str, b: int, args) -> tuple[float, float]:
+    """Microseconds per decode step of B greedy sequences (PP, TG as the sweep): inside
+    llama_decode, and outside it."""
+    context = SweepSettings(batch_sizes=(b,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens).context
+    inside = [0.0, 0]
+    real = native.llama_cpp.llama_decode
+
+    def timed(ctx, batch):
+        started = time.perf_counter()
+        try:
+            return real(ctx, batch)
+        finally:
+            inside[0] += time.perf_counter() - started
+            inside[1] += 1
+
+    with BatchEngine(model, n_parallel=b, n_ctx=context, n_threads=args.threads, kv_unified=args.kv_unified) as engine:
+        prompts = [[1 + (i * 7 + k) % 200 for k in range(args.prompt_tokens)] for i in range(b)]
+        params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True)
+        engine.generate(prompts, params)  # warm
+        engine.drop_cached_prefixes()
+        sequences = engine.submit(prompts, params)
+        while any(s.t_first_token is None for s in sequences):  # the prefill, not counted
+            engine.step()
+        native.llama_cpp.llama_decode = timed
+        try:
+            started = time.perf_counter()
+            while engine.has_work:
+                engine.step()
+            wall = time.perf_counter() - started
+        finally:
+            native.llama_cpp.llama_decode = real
+    steps = inside[1]
+    return inside[0] / steps * 1e6, (wall - inside[0]) / steps * 1e6
+
+
+def run(args, report) -> None:
+    trees = {"llamabatch": ROOT} if args.before is None else {"before": args.before.resolve(), "llamabatch": ROOT}
+    sizes = list(map(int, args.batch_sizes.split(",")))
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(model_path(args.model)) if args.model else str(tiny_model(Path(tmp)))
+
+        def sweep(tree: Path):
+            command = cli("sweep", "--model", model, "--batch-sizes", args.batch_sizes, "--baseline", "native", "--json",
+                          "--threads", args.threads, "--prompt-tokens", args.prompt_tokens, "--gen-tokens", args.gen_tokens,
+                          *({True: ["--kv-unified"], False: ["--no-kv-unified"]}.get(args.kv_unified, [])))
+            return lambda: {p["batch_size"]: p for p in json_lines(run_command(command, env={"PYTHONPATH": str(tree)}, cwd=tree)[1])}
+
+        runs = alternate({name: sweep(tree) for name, tree in trees.items()}, args.rounds, label="sweeps")
+        split = {b: [step_split(model, b, args) for _ in range(args.rounds)] for b in sizes}
+    rows = []
+    for b in sizes:
+        native_s_tg = median([r[b]["native_s_tg"] for side in runs.values() for r in side])
+        row = [b, *(median([r[b]["s_tg"] for r in runs[name]]) for name in trees), native_s_tg]
+        row += [paired([r[b]["s_tg"] for r in runs[name]], [r[b]["native_s_tg"] for r in runs[name]]) for name in trees]
+        rows.append(row)
+        report.figure(f"ratio_b{b}", row[-1])
+    report.table(
+        f"S_TG (tokens/s), PP {args.prompt_tokens}, TG {args.gen_tokens}, {args.threads} threads, "
+        f"{ {True: 'unified KV', False: 'per-sequence KV', None: 'the default KV layout (unified)'}[args.kv_unified]}",
+        ["B", *(f"{n} S_TG" for n in trees), "native S_TG", *(f"{n} / native" for n in trees)], rows,
+        f"Medians of {args.rounds} rounds; a ratio is the median (lowest–highest) of the rounds' S_TG / native S_TG, "
+        "native measured in the same process beside each batch size.",
+    )
+    report.table(
+        "Where a step goes (µs per decode step, this checkout, in process)",
+        ["B", "inside llama_decode", "outside: llamabatch's Python", "native step (from its S_TG)", "outside per sequence"],
+        [[b, Spread.of([x[0] for x in split[b]]), Spread.of([x[1] for x in split[b]]),
+          b / median([r[b]["native_s_tg"] for side in runs.values() for r in side]) * 1e6,
+          median([x[1] for x in split[b]]) / b] for b in sizes],
+        "The native step is B / native S_TG. Ours is the sum of the first two columns.",
+    )
+    for b in sizes:
+        report.figure(f"python_us_per_step_b{b}", Spread.of([x[1] for x in split[b]]))

@@ -1,0 +1,86 @@
+"""`python -m benchmarks report`: the docs' result pages, made from the results files.
+
+For each benchmark, docs/results/NAME.md shows every results file of it (newest first), each with
+the machine it ran on and the command that reproduces it, so a figure that varies between
+machines is shown from each. The sweep's points are also drawn (docs/results/sweep.png).
+The docs build runs this too (docs/hooks.py), so the pages never drift from the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .harness import RESULTS, ROOT, Table
+
+DOCS = ROOT / "docs" / "results"
+
+
+def load(folder: Path = RESULTS) -> dict[str, list[dict]]:
+    """Full (not smoke) results by benchmark, newest first."""
+    found: dict[str, list[dict]] = {}
+    for path in sorted(folder.glob("*.json")):
+        data = json.loads(path.read_text())
+        if not data.get("smoke"):
+            found.setdefault(data["benchmark"], []).append({**data, "file": path.name})
+    return {name: sorted(runs, key=lambda d: d["started"], reverse=True) for name, runs in sorted(found.items())}
+
+
+def machine_line(m: dict) -> str:
+    gpu = m.get("gpu") or "no GPU"
+    native = f"; native tools: llama.cpp {m['native_build']}" if m.get("native_build") else ""
+    dirty = " (uncommitted changes)" if m.get("llamabatch_dirty") else ""
+    return (f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {gpu}; llama-cpp-python {m['llama_cpp_python']}"
+            f"{native}; llamabatch {m['llamabatch_commit']}{dirty}")
+
+
+def page(name: str, runs: list[dict]) -> str:
+    lines = [f"<!-- made by `python -m benchmarks report` from benchmarks/results/{name}-*.json: edit those, not this -->", ""]
+    for data in runs:
+        lines += [f"#### {data['started'][:10]}: `{data['command']}`", "",
+                  f"*Machine:* {machine_line(data['machine'])}. *File:* `benchmarks/results/{data['file']}`.", ""]
+        for table in data["tables"]:
+            cells = [[_value(v) for v in row] for row in table["rows"]]
+            lines += [f"**{table['title']}**", "", Table(table["title"], table["columns"], cells, table["note"]).markdown(), ""]
+    return "\n".join(lines)
+
+
+def _value(v):
+    """A Spread stored as {median, low, high} shows as one again."""
+    if isinstance(v, dict) and set(v) == {"median", "low", "high"}:
+        from .harness import Spread
+
+        return Spread(**v)
+    return v
+
+
+def sweep_plot(data: dict, path: Path) -> None:
+    from llamabatch.measure.plot import sweep_plot as draw
+    from llamabatch.measure.sweep import SweepPoint
+
+    points = [SweepPoint(**{k: v for k, v in p.items() if k in SweepPoint.__dataclass_fields__}) for p in data["figures"]["points"]]
+    draw(points, path, title=f"{data['command']} ({data['machine']['cpu']}, {data['machine']['cores']} cores)")
+
+
+def write(docs: Path = DOCS, folder: Path = RESULTS) -> list[Path]:
+    docs.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, runs in load(folder).items():
+        path = docs / f"{name}.md"
+        path.write_text(page(name, runs) + "\n")
+        written.append(path)
+        if name == "sweep":
+            sweep_plot(runs[0], docs / "sweep.png")
+            written.append(docs / "sweep.png")
+    return written
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks report", description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--docs", type=Path, default=DOCS)
+    args = parser.parse_args(argv)
+    for path in write(args.docs, args.results):
+        print(path)
+    return 0

@@ -1,0 +1,174 @@
+"""What the commands share: option types (each defined once), the error reporting every command
+gets, and parsers of option values."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shlex
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .. import display
+from ..engine import SamplingParams
+from ..engine.options import AUTO
+from ..errors import LlamabatchError
+
+DEFAULT = SamplingParams()
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Catalog name or path to a .gguf file.")]
+CatalogOpt = Annotated[Optional[Path], typer.Option("--config", help="models.toml to use instead of the packaged one.")]
+ParallelOpt = Annotated[
+    Optional[str],
+    typer.Option("--parallel", "-np", metavar="N|auto", help="Sequences decoded together (slots), or 'auto': as many as fit --memory, each with --ctx-per-seq cells."),
+]
+MemoryOpt = Annotated[Optional[str], typer.Option("--memory", help="With --parallel auto: the memory to plan for, e.g. 4GiB (default: what is free now).")]
+CtxOpt = Annotated[Optional[int], typer.Option("--ctx", "-c", help="KV cache cells in all, shared by the slots.")]
+CtxPerSeqOpt = Annotated[Optional[int], typer.Option("--ctx-per-seq", help="KV cells per sequence: the cache is this times --parallel.")]
+BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-b", help="Most tokens per llama_decode (n_batch).")]
+UbatchOpt = Annotated[Optional[int], typer.Option("--ubatch-size", "-ub", help="Physical micro-batch (n_ubatch).")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (0 = all cores).")]
+GpuLayersOpt = Annotated[Optional[int], typer.Option("--gpu-layers", "-ngl", help="Layers on the GPU, or with --rpc on the remotes (-1 = all).")]
+RpcOpt = Annotated[Optional[str], typer.Option(
+    "--rpc", metavar="HOST:PORT,...", help="rpc-servers whose devices hold the offloaded layers (llama.cpp's RPC backend).",
+)]
+RpcTimeoutOpt = Annotated[Optional[float], typer.Option(
+    "--rpc-timeout", metavar="SECONDS", help="With --rpc: a decode unanswered this long means a remote is gone; the process exits (600).",
+)]
+TensorSplitOpt = Annotated[Optional[str], typer.Option(
+    "--tensor-split", "-ts", metavar="N0,N1,...", help="Each device's share of the offloaded layers: the --rpc remotes in order, then local GPUs.",
+)]
+KvUnifiedOpt = Annotated[Optional[bool], typer.Option("--kv-unified/--no-kv-unified", help="One KV buffer shared by all sequences (default), or one each.")]
+DeterministicOpt = Annotated[
+    Optional[bool], typer.Option("--deterministic", help="Same output alone or in any batch (CPU; slower prefill, see README).")
+]
+SpeculativeOpt = Annotated[
+    Optional[str], typer.Option("--speculative", help="'ngram': sequences draft tokens by prompt lookup, verified in the same decode; 'draft': a draft model drafts them; 'off'.")
+]
+DraftModelOpt = Annotated[
+    Optional[str], typer.Option("--draft-model", metavar="NAME|PATH", help="A smaller model with the same vocabulary that drafts tokens (turns on --speculative draft).")
+]
+DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Most draft tokens per sequence and step (15).")]
+EmbedPackOpt = Annotated[Optional[int], typer.Option("--embed-pack", help="Tokens packed into one embedding decode (256; 2048 gives llama-embedding's own vectors).")]
+ReplicasOpt = Annotated[Optional[str], typer.Option("--replicas", metavar="N|auto", help="Engines, on Ray: a number, or 'auto' (one per GPU, else one per node).")]
+SharePrefixesOpt = Annotated[
+    Optional[bool], typer.Option("--share-prefixes/--no-share-prefixes", help="Copy common prompt prefixes' KV instead of decoding them again.")
+]
+LoraOpt = Annotated[Optional[list[str]], typer.Option(
+    "--lora", metavar="PATH[:SCALE]", help="A LoRA adapter applied to every sequence that asks for none (repeatable; a catalog adapter's NAME works too).",
+)]
+CacheTypeKOpt = Annotated[Optional[str], typer.Option("--cache-type-k", "-ctk", help="KV cache type of K: f16 (default), q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1, bf16, f32.")]
+CacheTypeVOpt = Annotated[Optional[str], typer.Option("--cache-type-v", "-ctv", help="KV cache type of V (as --cache-type-k; a quantized V needs flash attention).")]
+FlashAttnOpt = Annotated[Optional[str], typer.Option("--flash-attn", "-fa", metavar="auto|on|off", help="Flash attention (auto: where the backend has it).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Write JSON Lines to stdout.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log.")]
+
+# Sampling: `run` gives them SamplingParams' defaults, `batch` None (= not given: defaults apply).
+MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", help="Tokens to generate per prompt.")]
+TemperatureOpt = Annotated[Optional[float], typer.Option("--temperature", "--temp", help="0 = greedy.")]
+TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="0 = off.")]
+TopPOpt = Annotated[Optional[float], typer.Option("--top-p", help="1 = off.")]
+MinPOpt = Annotated[Optional[float], typer.Option("--min-p", help="0 = off.")]
+RepeatPenaltyOpt = Annotated[Optional[float], typer.Option("--repeat-penalty", help="1 = off.")]
+PresencePenaltyOpt = Annotated[Optional[float], typer.Option("--presence-penalty")]
+FrequencyPenaltyOpt = Annotated[Optional[float], typer.Option("--frequency-penalty")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Same seed + same batch = same output.")]
+StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable); not included in the text.")]
+IgnoreEosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos", help="Generate past end-of-generation tokens.")]
+SamplesOpt = Annotated[Optional[int], typer.Option("-n", "--n", help="Samples per prompt; they share its KV (sample k: seed + k).")]
+ChatOpt = Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template.")]
+# Constrained output (at most one): every completion matches it.
+JsonSchemaOpt = Annotated[Optional[Path], typer.Option("--json-schema", help="Constrain outputs to this JSON schema (a file).")]
+GrammarOpt = Annotated[Optional[Path], typer.Option("--grammar", help="Constrain outputs to this GBNF grammar (a file).")]
+RegexOpt = Annotated[Optional[str], typer.Option("--regex", help="Constrain outputs to this regular expression.")]
+ChoiceOpt = Annotated[Optional[list[str]], typer.Option("--choice", help="Outputs are one of these strings (repeatable).")]
+
+
+def reports_errors(fn):
+    """A command whose LlamabatchErrors become one red line and exit code 1."""
+
+    @functools.wraps(fn)
+    def run_reporting_errors(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LlamabatchError as e:
+            display.error_line(str(e))
+            raise typer.Exit(1) from None
+
+    return run_reporting_errors
+
+
+def constraint(json_schema: Path | None, grammar: Path | None, regex: str | None, choice: list[str] | None) -> dict:
+    """The SamplingParams fields for the constraint flags; files are read here."""
+    fields: dict = {}
+    if json_schema is not None:
+        try:
+            fields["json_schema"] = json.loads(read_file(json_schema, "--json-schema"))
+        except json.JSONDecodeError as e:
+            raise LlamabatchError(f"--json-schema {json_schema}: not valid JSON ({e.msg})") from None
+    if grammar is not None:
+        fields["grammar"] = read_file(grammar, "--grammar")
+    if regex is not None:
+        fields["regex"] = regex
+    if choice:
+        fields["choice"] = tuple(choice)
+    return fields
+
+
+def read_file(path: Path, option: str) -> str:
+    if not path.is_file():
+        raise LlamabatchError(f"{option}: file not found: {path}")
+    return path.read_text()
+
+
+def int_list(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise LlamabatchError(f"{option} must be comma-separated integers, got {text!r}") from None
+
+
+def parse_pooling(text: str | None, per_token: bool = False):
+    """--pooling: mean, cls or last, and where a line may hold a vector per token (`embed`) none;
+    None leaves the GGUF's choice (a reranker's rank is only its GGUF's)."""
+    from ..engine.embedding import Pooling
+
+    allowed = ("mean", "cls", "last", "none") if per_token else ("mean", "cls", "last")
+    if text is not None and text not in allowed:
+        hint = "" if per_token or text != "none" else "; per-token vectors: llamabatch embed --pooling none"
+        raise LlamabatchError(f"--pooling must be {', '.join(allowed)}, got {text!r} (rerankers score pairs: serve /v1/rerank){hint}")
+    return Pooling(text) if text else None
+
+
+def parse_replicas(text: str | None) -> int | str:
+    """--replicas N (at least 1) or 'auto' (decided once Ray shows the cluster)."""
+    if text is None:
+        return 1
+    if text == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise LlamabatchError(f"--replicas must be a number >= 1 or 'auto', got {text!r}")
+    return value
+
+
+def command_line(context: typer.Context, drop: set[str]) -> str:
+    """The command being run, as typed (the options given on the command line), without `drop`."""
+    words = ["llamabatch", context.info_name]
+    for param in context.command.params:
+        if param.name in drop or context.get_parameter_source(param.name).name != "COMMANDLINE":
+            continue
+        value = context.params[param.name]
+        if param.param_type_name == "argument":
+            words.append(str(value))
+        elif param.is_flag:
+            words.append(param.opts[0] if value else param.secondary_opts[0])
+        else:
+            for v in value if param.multiple else [value]:
+                words += [param.opts[0], str(v)]
+    return shlex.join(words)

@@ -1,0 +1,143 @@
+"""`serve` (one engine, or replicas on Ray) and `rpc-server`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from .. import display
+from ..catalog import Catalog
+from ..engine.native import init_backend
+from ..engine.options import AUTO, EngineOptions
+from ..engine.rpc import DEFAULT_PORT as DEFAULT_RPC_PORT
+from ..errors import LlamabatchError
+from .options import (
+    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt,
+    DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt, MemoryOpt, ModelOpt,
+    ParallelOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SharePrefixesOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt,
+    UbatchOpt, VerboseOpt, parse_pooling, parse_replicas, reports_errors,
+)
+
+if TYPE_CHECKING:  # the server's imports load only when serving
+    from ..serve.app import ServerSettings
+
+
+@reports_errors
+def serve(
+    context: typer.Context,
+    model: ModelOpt = None,
+    config: CatalogOpt = None,
+    parallel: ParallelOpt = None,
+    ctx: CtxOpt = None,
+    ctx_per_seq: CtxPerSeqOpt = None,
+    memory: MemoryOpt = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
+    max_queue: Annotated[int, typer.Option(help="Sequences (and embedding requests) that may wait; beyond, requests get 429.")] = 256,
+    request_timeout: Annotated[float, typer.Option(help="Seconds before a request is cancelled (504).")] = 600.0,
+    pooling: Annotated[Optional[str], typer.Option(help="/v1/embeddings: mean, cls or last (default: the GGUF's, else mean).")] = None,
+    embed_pack: EmbedPackOpt = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Files and batches of the Batch API (/v1/files, /v1/batches), kept across restarts (default: ~/.local/share/llamabatch).")] = None,
+    max_upload_mb: Annotated[int, typer.Option(help="Largest file upload, in MiB (413 beyond).")] = 200,
+    scheduling_policy: Annotated[Optional[str], typer.Option(help="'priority' (default: by the requests' priority, batches below interactive requests, preempting) or 'fcfs'.")] = None,
+    batch_size: BatchOpt = None,
+    ubatch_size: UbatchOpt = None,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    rpc_timeout: RpcTimeoutOpt = None,
+    lora: LoraOpt = None,
+    cache_type_k: CacheTypeKOpt = None,
+    cache_type_v: CacheTypeVOpt = None,
+    flash_attn: FlashAttnOpt = None,
+    kv_unified: KvUnifiedOpt = None,
+    share_prefixes: SharePrefixesOpt = None,
+    deterministic: DeterministicOpt = None,
+    speculative: SpeculativeOpt = None,
+    draft_model: DraftModelOpt = None,
+    draft_max: DraftMaxOpt = None,
+    replicas: ReplicasOpt = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="With --replicas: 'local' (default), 'auto' (the running cluster) or ray://host:port.")] = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """An OpenAI-compatible server: concurrent requests share the running batch."""
+    import uvicorn
+
+    from ..serve.app import ServerSettings, create_app
+    from ..serve.store import default_data_dir
+
+    if ray is not None and replicas is None:
+        raise LlamabatchError("--ray says where --replicas run: add --replicas N|auto, or drop --ray")
+    if replicas is not None and parallel == AUTO:
+        raise LlamabatchError("--parallel auto plans for this machine's memory, not each replica's: give --parallel N")
+    for name in (model, draft_model) if draft_model else (model,):  # an unknown model or a missing file fails here, not in a thread
+        Catalog.load(config).resolve(name).gguf_path()
+    engine = EngineOptions.of(context.params).engine_kwargs()
+    if max_upload_mb < 1:
+        raise LlamabatchError(f"--max-upload-mb must be >= 1, got {max_upload_mb}")
+    if replicas is not None and data_dir is not None:
+        raise LlamabatchError("--data-dir is for the Batch API of one server; replicas (--replicas) serve no batches")
+    settings = ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout,
+                              pooling=parse_pooling(pooling), max_upload=max_upload_mb << 20,
+                              data_dir=None if replicas is not None else data_dir or default_data_dir())
+    if replicas is not None:
+        _serveparse_replicas(settings, parse_replicas(replicas), ray or "local", host, port)
+        return
+    app = create_app(settings)
+    display.err.print(f"llamabatch serving on http://{host}:{port}/v1 (Ctrl-C stops)")
+    uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
+
+
+def _serveparse_replicas(settings: ServerSettings, replicas: int | str, address: str, host: str, port: int) -> None:
+    try:
+        from ..jobs.ray_stage import actor_shape, connect
+        from ..serve.replicas import deploy
+    except ImportError as e:
+        raise LlamabatchError(f"--replicas needs Ray: pip install 'llamabatch[ray]' ({e})") from None
+    import ray
+    from ray import serve
+
+    connect(address)
+    engine = settings.engine
+    replicas, threads, gpus = actor_shape(replicas, engine["n_threads"])
+    slots = engine["n_parallel"] or Catalog.load(engine["catalog"]).resolve(engine["model"]).parallel
+    deploy(settings, replicas, threads, gpus, host, port, slots)
+    display.err.print(f"llamabatch serving {replicas} replicas on http://{host}:{port}/v1 (Ctrl-C stops)")
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    serve.shutdown()
+    ray.shutdown()
+
+
+@reports_errors
+def rpc_server(
+    host: Annotated[str, typer.Option("--host", "-H", help="Address to listen on. The protocol has no authentication: keep it on a trusted network.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on.")] = DEFAULT_RPC_PORT,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Lend this host's GPUs (else its CPU) to engines on other hosts: llama.cpp's rpc-server,
+    from llama-cpp-python's own libraries (built with -DGGML_RPC=on)."""
+    from ..engine import rpc
+
+    rpc.require_rpc()
+    init_backend(False)
+    # ggml's server loop returns only when it cannot listen: run it on a thread, so that Ctrl-C
+    # still ends the process.
+    server = threading.Thread(target=rpc.serve, args=(host, port, threads or max(1, (os.cpu_count() or 2) // 2)), daemon=True)
+    server.start()
+    try:
+        while server.is_alive():
+            server.join(0.5)
+    except KeyboardInterrupt:
+        return
+    raise LlamabatchError(f"rpc-server could not listen on {host}:{port} (is the port taken?)")
