@@ -119,7 +119,7 @@ def test_gemma_embeddings_batched_equal_alone_and_rank_meaning(gemma):
     together = gemma.embed(texts)
     alone = np.stack([gemma.embed([t])[0] for t in texts])
     assert together.shape == (3, 640)
-    # Quantized kernels round by the rows a decode has: llama.cpp's own spread is 0.9998 (README)
+    # Quantized kernels round by the rows a decode has: llama.cpp's own spread is 0.9998 (docs/guides/embeddings.md)
     assert ((together * alone).sum(axis=1) > 0.999).all()
     cosine = together @ together.T
     assert cosine[0, 1] > cosine[0, 2] and cosine[0, 1] > cosine[1, 2]

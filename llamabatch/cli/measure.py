@@ -149,7 +149,7 @@ def _sweep(
         if baselines and engine.config.rpc:
             raise LlamabatchError(
                 "--baseline with --rpc: an rpc-server serves one client at a time, so a baseline cannot run beside "
-                "this engine (scripts/bench_rpc.py alternates whole processes instead)"
+                "this engine (`python -m benchmarks rpc` alternates whole processes instead)"
             )
         points = []
         for point in sweep_bench.sweep(engine, settings, native="native" in baselines):

@@ -42,7 +42,7 @@ TensorSplitOpt = Annotated[Optional[str], typer.Option(
 )]
 KvUnifiedOpt = Annotated[Optional[bool], typer.Option("--kv-unified/--no-kv-unified", help="One KV buffer shared by all sequences (default), or one each.")]
 DeterministicOpt = Annotated[
-    Optional[bool], typer.Option("--deterministic", help="Same output alone or in any batch (CPU; slower prefill, see README).")
+    Optional[bool], typer.Option("--deterministic", help="Same output alone or in any batch (CPU; slower prefill; see the docs' Deterministic mode).")
 ]
 SpeculativeOpt = Annotated[
     Optional[str], typer.Option("--speculative", help="'ngram': sequences draft tokens by prompt lookup, verified in the same decode; 'draft': a draft model drafts them; 'off'.")

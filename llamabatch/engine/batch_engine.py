@@ -91,7 +91,7 @@ class BatchEngine:
         path = spec.gguf_path()
         init_backend(verbose)
         cfg = self.config
-        if cfg.deterministic:  # kernels that do not change with the number of rows; see README
+        if cfg.deterministic:  # kernels that do not change with the number of rows (docs/guides/deterministic.md)
             use_row_invariant_matmul()
         # Deterministic mode needs a second KV stream even for one slot: fillers decode there.
         n_streams = max(cfg.n_parallel, 2) if cfg.deterministic else cfg.n_parallel

@@ -45,14 +45,14 @@ class EngineConfig:
     # One KV buffer shared by all sequences, not one each. With one each, llama.cpp splits a step
     # whose sequences bring different token counts (a prompt beside decoding ones: the normal
     # case once they end at different times) into several graph runs: 1.2-1.9x slower measured
-    # (README, "Unified or per-sequence KV cache"). Deterministic mode needs one each.
+    # (`python -m benchmarks kv_layout`). Deterministic mode needs one each.
     kv_unified: bool = True
     share_prefixes: bool = True  # copy common prompt prefixes' KV instead of decoding them again
     deterministic: bool = False  # a sequence's output does not depend on what else is in the batch
     # Speculative decoding ("ngram": prompt lookup; "draft": draft_model, a catalog name or a
     # GGUF path; "off"): sequences propose up to draft_max tokens each, verified in the step's
-    # one decode, where measuring says drafts pay (speculation.DraftPlanner; README,
-    # "Speculative decoding").
+    # one decode, where measuring says drafts pay (speculation.DraftPlanner;
+    # docs/guides/speculative.md).
     speculative: str = "off"
     draft_model: str | None = None
     draft_max: int = 15  # with its last token, 16 rows: a multiple of the CPU kernels' 4-row tile

@@ -2,7 +2,7 @@
 GBNF grammar, a regular expression or a list of choices gets a matcher, and before each of its
 tokens is sampled its row of logits is masked so that only tokens the constraint allows remain.
 
-llguidance was chosen by measurement (README, "Structured output"): on Gemma 3's 262,144-token
+llguidance was chosen by measurement (docs/guides/structured-output.md): on Gemma 3's 262,144-token
 vocabulary a mask costs tens of microseconds and a compile about a millisecond, where
 llama.cpp's grammar sampler filters the whole vocabulary on every step. Each distinct
 constraint is compiled once; sequences get copies of the compiled matcher.
