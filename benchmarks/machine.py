@@ -30,7 +30,8 @@ def machine() -> dict:
         "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
         "llama_cpp_system": llama_cpp.llama_print_system_info().decode().strip(),
         "native_build": _native_build(),
-        "llamabatch_commit": _git("rev-parse", "--short", "HEAD"),
+        # A copy of the tree without its .git (a lent GPU machine) names its commit in LLAMABATCH_COMMIT.
+        "llamabatch_commit": _git("rev-parse", "--short", "HEAD") or os.environ.get("LLAMABATCH_COMMIT"),
         "llamabatch_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
     }
 

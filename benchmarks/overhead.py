@@ -15,6 +15,7 @@ between machines whose Python and whose matrix kernels differ in speed.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 
@@ -86,7 +87,8 @@ def run(args, report) -> None:
             command = cli("sweep", "--model", model, "--batch-sizes", args.batch_sizes, "--baseline", "native", "--json",
                           "--threads", args.threads, "--prompt-tokens", args.prompt_tokens, "--gen-tokens", args.gen_tokens,
                           *({True: ["--kv-unified"], False: ["--no-kv-unified"]}.get(args.kv_unified, [])))
-            return lambda: {p["batch_size"]: p for p in json_lines(run_command(command, env={"PYTHONPATH": str(tree)}, cwd=tree)[1])}
+            path = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])  # this tree's llamabatch first
+            return lambda: {p["batch_size"]: p for p in json_lines(run_command(command, env={"PYTHONPATH": path}, cwd=tree)[1])}
 
         runs = alternate({name: sweep(tree) for name, tree in trees.items()}, args.rounds, label="sweeps")
         split = {b: [step_split(model, b, args) for _ in range(args.rounds)] for b in sizes}
