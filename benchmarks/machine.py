@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import os
 import platform
 import shutil
@@ -27,7 +26,7 @@ def machine() -> dict:
         "gpu": _gpu(),
         "os": platform.platform(),
         "python": platform.python_version(),
-        "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),
+        "llama_cpp_python": llama_cpp.__version__,
         "llama_cpp_system": llama_cpp.llama_print_system_info().decode().strip(),
         "native_build": _native_build(),
         # A copy of the tree without its .git (a lent GPU machine) names its commit in LLAMABATCH_COMMIT.

@@ -15,9 +15,9 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
-from importlib.metadata import version
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 
 from ..engine import BatchEngine, EngineConfig, SamplingParams, Sequence
@@ -256,7 +256,7 @@ def sequential_settings(config: EngineConfig, settings: SweepSettings) -> dict:
 def native_tool(name: str = "llama-batched-bench") -> Path:
     """A tool built by scripts/build_native.sh for the installed llama-cpp-python version."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    folder = Path(os.environ.get("LLAMABATCH_NATIVE_DIR", cache / "llamabatch" / "native" / version("llama-cpp-python")))
+    folder = Path(os.environ.get("LLAMABATCH_NATIVE_DIR") or cache / "llamabatch" / "native" / llama_cpp.__version__)
     tool = folder / "bin" / name
     if not tool.is_file():
         raise LlamabatchError(
