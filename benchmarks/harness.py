@@ -52,7 +52,9 @@ class Spread:
     def of(cls, values: Sequence[float]) -> Spread:
         return cls(statistics.median(values), min(values), max(values))
 
-    def show(self, digits: int = 3) -> str:
+    def show(self, digits: int | None = None) -> str:
+        if digits is None:  # three significant decimals for ratios, fewer for large figures
+            digits = 0 if abs(self.median) >= 100 else 1 if abs(self.median) >= 10 else 3
         if self.low == self.high:
             return f"{self.median:.{digits}f}"
         return f"{self.median:.{digits}f} ({self.low:.{digits}f}–{self.high:.{digits}f})"

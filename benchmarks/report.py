@@ -63,10 +63,45 @@ def sweep_plot(data: dict, path: Path) -> None:
     draw(points, path, title=f"{data['command']} ({data['machine']['cpu']}, {data['machine']['cores']} cores)")
 
 
+README = ROOT / "README.md"
+START, END = "<!-- results: made by python -m benchmarks report -->", "<!-- /results -->"
+
+
+def front_table(results: dict[str, list[dict]]) -> str:
+    """The README's short table: the newest default runs of sweep (Gemma) and overhead (tiny)."""
+    rows = []
+    sweep = next((d for d in results.get("sweep", []) if "--model" not in d["command"]), None)
+    if sweep:
+        by_b = {p["batch_size"]: p for p in sweep["figures"]["points"]}
+        rows.append(["Gemma 3 270M: llamabatch S_TG (tokens/s)", *(f"{by_b[b]['s_tg']:.0f}" if b in by_b else "" for b in (1, 8, 32)),
+                     "`python -m benchmarks sweep`"])
+        rows.append(["Gemma 3 270M: S_TG / native llama-batched-bench", *(f"{by_b[b]['s_tg_ratio']:.2f}" if b in by_b else "" for b in (1, 8, 32)),
+                     "`python -m benchmarks sweep`"])
+    overhead = next((d for d in results.get("overhead", []) if d["command"].strip() == "python -m benchmarks overhead"), None)
+    if overhead:
+        f = overhead["figures"]
+        rows.append(["tiny model (llamabatch's own cost): S_TG / native",
+                     *(f"{f[f'ratio_b{b}']['median']:.2f}" if f"ratio_b{b}" in f else "" for b in (1, 8, 32)), "`python -m benchmarks overhead`"])
+    lines = ["| measured | B = 1 | B = 8 | B = 32 | command |", "| --- | ---: | ---: | ---: | --- |"]
+    return "\n".join(lines + [f"| {' | '.join(row)} |" for row in rows])
+
+
+def write_readme(results: dict[str, list[dict]], path: Path = README) -> None:
+    text = path.read_text()
+    if START not in text:
+        return
+    head, rest = text.split(START, 1)
+    tail = rest.split(END, 1)[1]
+    path.write_text(f"{head}{START}\n{front_table(results)}\n{END}{tail}")
+
+
 def write(docs: Path = DOCS, folder: Path = RESULTS) -> list[Path]:
     docs.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, runs in load(folder).items():
+    results = load(folder)
+    if folder == RESULTS:
+        write_readme(results)
+    for name, runs in results.items():
         path = docs / f"{name}.md"
         path.write_text(page(name, runs) + "\n")
         written.append(path)
