@@ -16,7 +16,10 @@ tools=(llama-batched-bench llama-server llama-perplexity llama-lookup llama-spec
 flags="-DGGML_RPC=ON ${CMAKE_ARGS:-}"
 
 # Binaries built with other flags (before RPC was on, or for another device) are all rebuilt.
-if [ "$(cat "$dest/flags" 2>/dev/null)" != "$flags" ]; then
+# Flags compare as a set, whatever their case and order: CMAKE_ARGS="-DGGML_RPC=on" (as .ci/run
+# and the README set it) asks for what these binaries already have.
+same_flags() { [ "$(tr ' ' '\n' <<<"${1^^}" | sort -u | xargs)" = "$(tr ' ' '\n' <<<"${2^^}" | sort -u | xargs)" ]; }
+if ! same_flags "$(cat "$dest/flags" 2>/dev/null)" "$flags"; then
     rm -rf "$dest/bin"
 fi
 missing=()
