@@ -29,8 +29,8 @@ def machine() -> dict:
         "llama_cpp_python": llama_cpp.__version__,
         "llama_cpp_system": llama_cpp.llama_print_system_info().decode().strip(),
         "native_build": _native_build(),
-        # A copy of the tree without its .git (a lent GPU machine) names its commit in LLAMABATCH_COMMIT.
-        "llamabatch_commit": _git("rev-parse", "--short", "HEAD") or os.environ.get("LLAMABATCH_COMMIT"),
+        # A copy of the tree whose .git is not its own (a lent GPU machine) names its commit in LLAMABATCH_COMMIT.
+        "llamabatch_commit": os.environ.get("LLAMABATCH_COMMIT") or _git("rev-parse", "--short", "HEAD"),
         "llamabatch_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
     }
 

@@ -31,8 +31,9 @@ def machine_line(m: dict) -> str:
     gpu = m.get("gpu") or "no GPU"
     native = f"; native tools: llama.cpp {m['native_build']}" if m.get("native_build") else ""
     dirty = " (uncommitted changes)" if m.get("llamabatch_dirty") else ""
+    note = f" ({m['note']})" if m.get("note") else ""
     return (f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {gpu}; llama-cpp-python {m['llama_cpp_python']}"
-            f"{native}; llamabatch {m['llamabatch_commit']}{dirty}")
+            f"{native}; llamabatch {m['llamabatch_commit']}{dirty}{note}")
 
 
 def page(name: str, runs: list[dict]) -> str:
