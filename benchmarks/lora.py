@@ -23,7 +23,7 @@ import httpx
 
 from llamabatch import BatchEngine, SamplingParams
 
-from .harness import Spread, alternate, model_path, paired, progress, tiny_model, tiny_models
+from .harness import Spread, alternate, model_path, paired, tiny_model, tiny_models
 from .loadtest import load
 from .servers import Server, llama_server as native_server, llamabatch_serve
 
@@ -105,8 +105,9 @@ def served(model: Path, adapter: Path, args, report) -> None:
         def measure() -> float:
             with make(model, [adapter], args.clients, ctx, args.threads, applied=True) as server:
                 answer = load(server.base, clients=args.clients, requests=args.requests, max_tokens=args.max_tokens)
-            if answer["completed"] != answer["requests"] or answer["incomplete"]:
-                progress(f"{answer['errors']} errors, {answer['incomplete']} incomplete of {answer['requests']}: {answer.get('error_kinds')}")
+            if answer["completed"] != answer["requests"] or answer["incomplete"]:  # no throughput from failed requests
+                raise RuntimeError(f"{answer['errors']} errors, {answer['incomplete']} incomplete of {answer['requests']}: "
+                                   f"{answer.get('error_kinds')}")
             return answer["output_tokens_per_s"]
         return measure
 

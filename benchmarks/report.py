@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .harness import RESULTS, ROOT, Table
+from .harness import RESULTS, ROOT, Spread, Table
 
 DOCS = ROOT / "docs" / "results"
 
@@ -50,8 +50,6 @@ def page(name: str, runs: list[dict]) -> str:
 def _value(v):
     """A Spread stored as {median, low, high} shows as one again."""
     if isinstance(v, dict) and set(v) == {"median", "low", "high"}:
-        from .harness import Spread
-
         return Spread(**v)
     return v
 
