@@ -203,7 +203,7 @@ def greedy_path(engine: BatchEngine, prompt_tokens: list[int], step, max_tokens:
     """Decode greedily, one token a step, with `step` choosing each token from the logits (-1: the
     end); the seconds each choice took, and the text."""
     ctx, batch, n_vocab = engine.ctx, engine.batch, engine.vocab.n_vocab
-    ctx.remove_sequence(0)
+    engine.memory.clear(0)
     batch.set(prompt_tokens, list(range(len(prompt_tokens))), [0] * len(prompt_tokens), [0] * (len(prompt_tokens) - 1) + [1])
     ctx.decode(batch)
     times, tokens = [], []
@@ -296,10 +296,15 @@ def check(text: str, schema: dict) -> str | None:
     return None
 
 
+def validity_slots(args) -> int:
+    """Validity runs at the last --parallel given (throughput measures each)."""
+    return int(str(args.parallel).split(",")[-1])
+
+
 def run_llamabatch(requests: list, temperature: float, args: argparse.Namespace) -> tuple[list[str], list[str], float, int]:
     params = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=i, json_schema=schema)
               for i, (_, schema, _) in enumerate(requests)]
-    parallel = int(str(args.parallel).split(",")[-1])
+    parallel = validity_slots(args)
     with BatchEngine(args.model, n_parallel=parallel, n_ctx=parallel * 1024, n_threads=args.threads) as engine:
         engine.generate([p for _, _, p in requests[:2]], params[:2])  # llguidance's tokenizer, built once
         engine.reset_stats()
@@ -314,7 +319,7 @@ def run_llamabatch(requests: list, temperature: float, args: argparse.Namespace)
 def run_llama_server(requests: list, temperature: float, args: argparse.Namespace) -> tuple[list[str], list[str], float, int]:
     """llama-server (the same llama.cpp) with as many slots and threads, its /completion with
     json_schema (converted to GBNF by llama.cpp), as many requests in flight as slots."""
-    parallel = int(str(args.parallel).split(",")[-1])
+    parallel = validity_slots(args)
     with BatchEngine(args.model, n_parallel=1, n_ctx=256) as engine:
         model = engine.model.path
     with llama_server(model, "-np", parallel, "-c", parallel * 1024, "-t", args.threads, "-fa", "auto", "-kvu") as server:

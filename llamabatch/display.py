@@ -231,12 +231,15 @@ def plan_table(row: dict) -> None:
     lines = [
         ("model weights", mib(row["model_bytes"])),
         ("KV cache", kv),
+        *([("recurrent state", f"{row['state_bytes'] / 2**20:,.2f} MiB per sequence, and per checkpoint of it")]
+          if row["state_bytes"] else []),
         ("context per sequence", f"{row['ctx_per_seq']:,} tokens"),
         ("memory budget", mib(row["budget_bytes"])),
         ("largest safe --parallel", f"[bold]{row['n_parallel']}[/] (--ctx {row['n_ctx']:,} in total"
          f"{', --kv-unified' if row['kv_unified'] else ''})"),
         ("  KV cache", mib(row["kv_bytes"])),
         ("  compute + logits buffers", mib(row["compute_bytes"] + row["output_bytes"])),
+        *([("  checkpoints (at most)", mib(row["checkpoint_bytes"]))] if row["checkpoint_bytes"] else []),
         ("  Python and libraries", mib(row["process_bytes"])),
         ("  total", mib(row["total_bytes"])),
     ]

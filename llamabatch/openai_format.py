@@ -355,9 +355,13 @@ def engine_inputs(body: SamplingFields, engine: BatchEngine) -> tuple[list[str |
 
 
 def usage(sequences: Seq[Sequence]) -> dict:
-    prompt = sum(s.n_prompt for s in sequences if s.sample == 0)
+    """OpenAI's usage: each prompt counted once (its first sample's), and of its tokens those
+    whose memory came from a cache rather than being decoded (prompt_tokens_details.cached_tokens)."""
+    firsts = [s for s in sequences if s.sample == 0]
+    prompt = sum(s.n_prompt for s in firsts)
     completion = sum(s.n_generated for s in sequences)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(s.n_cached for s in firsts)}}
 
 
 def choice_index(seq: Sequence) -> int:

@@ -80,6 +80,16 @@ def decode_calls(monkeypatch) -> list[int]:
     return codes
 
 
+def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Until a job's output (written by a process) has n lines."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if path.exists() and path.read_bytes().count(b"\n") >= n:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"{path} did not reach {n} lines (exit code {proc.poll()})")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,6 +23,8 @@ from llamabatch import LlamabatchError, SamplingParams
 from llamabatch.cli import app
 from llamabatch.jobs import BatchJob
 
+from conftest import wait_for_lines
+
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = ["hello world", "the capital of France is", "Once upon a time", "def fib(n):", "a", "the"]
 
@@ -78,7 +80,8 @@ def test_plain_text_lines_get_stable_ids_and_the_engines_completions(make_engine
         line = out[id_]
         assert line["prompt"] == result.prompt
         assert line["choices"] == [{"index": 0, "text": result.text, "finish_reason": "length", "completion_tokens": 6}]
-        assert line["usage"] == {"prompt_tokens": result.prompt_tokens, "completion_tokens": 6, "total_tokens": result.prompt_tokens + 6}
+        assert line["usage"] == {"prompt_tokens": result.prompt_tokens, "completion_tokens": 6, "total_tokens": result.prompt_tokens + 6,
+                                 "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
     assert summary.completion_tokens == 18 and summary.decode_calls >= 6
 
 
@@ -346,15 +349,6 @@ def test_only_a_window_of_requests_is_queued_at_a_time(make_engine, tmp_path):
 
 
 # -- interruption (real processes) ---------------------------------------------------------
-
-
-def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if path.exists() and path.read_bytes().count(b"\n") >= n:
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"{path} did not reach {n} lines (exit code {proc.poll()})")
 
 
 @pytest.fixture

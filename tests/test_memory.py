@@ -1,88 +1,75 @@
-"""KV memory planning: estimates against the KV buffers llama.cpp really allocates."""
+"""Checkpoints' bookkeeping, without a model: which checkpoint a cut goes back to, what a budget
+keeps, what a copied prefix shares. (What memory does with them, on real contexts of every
+family, is tests/test_families.py's.)"""
 
 from __future__ import annotations
 
-import json
-
-import pytest
-from typer.testing import CliRunner
-
-from llamabatch import BatchEngine
-from llamabatch.cli import app
-from llamabatch.engine.memory import KvShape, parse_size, plan, plan_for
-
-CONFIGS = [  # (n_ctx, n_parallel, kv_unified, n_ubatch)
-    (2048, 1, False, 512), (4096, 4, False, 512), (8192, 8, False, 256), (3000, 3, False, 512),
-    (2048, 8, True, 512), (1000, 4, True, 128), (20000, 16, True, 512),
-]
+from llamabatch.engine.memory import Checkpoint, Checkpoints
 
 
-def within_5_percent(estimate: int, actual: int) -> bool:
-    return abs(estimate - actual) <= 0.05 * actual
+def checkpoint(n: int, size: int = 10) -> Checkpoint:
+    return Checkpoint(n, bytes(size))
 
 
-@pytest.mark.parametrize("n_ctx, n_parallel, kv_unified, n_ubatch", CONFIGS)
-def test_estimate_matches_the_tiny_models_allocation(tiny_model, n_ctx, n_parallel, kv_unified, n_ubatch):
-    with BatchEngine(tiny_model, n_ctx=n_ctx, n_parallel=n_parallel, kv_unified=kv_unified, n_ubatch=n_ubatch) as engine:
-        estimate = KvShape.of(engine.model).kv_bytes(n_ctx, n_parallel, kv_unified, n_ubatch)
-        assert engine.ctx.kv_bytes > 0
-        assert within_5_percent(estimate, engine.ctx.kv_bytes)
+def positions(store: Checkpoints, seq_id: int) -> list[int]:
+    return [cp.n_tokens for cp in store.kept.get(seq_id, [])]
 
 
-@pytest.mark.real_model
-@pytest.mark.parametrize("n_ctx, n_parallel, kv_unified, n_ubatch", CONFIGS)
-def test_estimate_matches_the_default_models_allocation(n_ctx, n_parallel, kv_unified, n_ubatch):
-    """Gemma 3 mixes full-attention and sliding-window layers, whose caches are sized apart."""
-    with BatchEngine(n_ctx=n_ctx, n_parallel=n_parallel, kv_unified=kv_unified, n_ubatch=n_ubatch) as engine:
-        shape = KvShape.of(engine.model)
-        assert shape.swa_layers > 0 and shape.n_swa > 0
-        assert within_5_percent(shape.kv_bytes(n_ctx, n_parallel, kv_unified, n_ubatch), engine.ctx.kv_bytes)
+def test_a_cut_goes_back_to_the_latest_checkpoint_before_it():
+    store = Checkpoints(budget=1000)
+    for n in (128, 64, 192):
+        store.add(0, checkpoint(n))
+    assert positions(store, 0) == [64, 128, 192]
+    assert store.best(0, 191).n_tokens == 128 and store.best(0, 192).n_tokens == 192
+    assert store.best(0, 63) is None and store.best(1, 500) is None
+    store.drop_after(0, 130)  # the stream changed from position 130 on
+    assert positions(store, 0) == [64, 128] and store.kept_bytes == 20
 
 
-def test_plan_picks_the_largest_parallel_within_the_budget(tiny_model):
-    with BatchEngine(tiny_model, n_parallel=1) as engine:
-        shape = KvShape.of(engine.model)
-        one = plan(engine.model, shape, 1024, budget_bytes=10**12, max_parallel=1)
-        per_seq = shape.kv_bytes(2 * 1024, 2, False, 512) - shape.kv_bytes(1024, 1, False, 512) + 4 * engine.vocab.n_vocab
-        budget = one.total_bytes + 5 * per_seq + per_seq // 2  # room for 5.5 more sequences
-        planned = plan(engine.model, shape, 1024, budget)
-    assert planned.n_parallel == 6 and planned.n_ctx == 6 * 1024
-    assert planned.total_bytes <= budget < planned.total_bytes + per_seq
+def test_a_transient_checkpoint_is_outside_the_budget_and_replaced_by_the_next():
+    store = Checkpoints(budget=10)
+    store.add(0, checkpoint(64))
+    store.add(0, checkpoint(70, size=50), transient=True)
+    store.add(0, checkpoint(75, size=50), transient=True)
+    assert store.best(0, 80).n_tokens == 75 and store.kept_bytes == 10 and store.bytes == 60
+    store.drop_after(0, 72)
+    assert store.best(0, 80).n_tokens == 64
 
 
-def test_plan_never_exceeds_llama_cpps_sequence_limit(tiny_model):
-    planned, _ = plan_for(tiny_model, ctx_per_seq=256, memory=10**12)
-    assert planned.n_parallel == 256
+def test_over_budget_the_checkpoint_leaving_the_smallest_gap_goes_never_a_streams_newest():
+    store = Checkpoints(budget=35)
+    for n in (64, 128, 150, 256):
+        store.add(0, checkpoint(n))
+    # dropping 128 leaves a gap 64..150 (86), dropping 150 leaves 128..256 (128), 64 leaves 0..128
+    assert positions(store, 0) == [64, 150, 256] and store.kept_bytes == 30
+    store.add(1, checkpoint(500))
+    store.add(1, checkpoint(600))
+    assert positions(store, 0) == [256] and positions(store, 1) == [500, 600] and store.kept_bytes == 30
 
 
-def test_a_budget_too_small_for_one_sequence_is_refused(tiny_model):
-    result = CliRunner().invoke(app, ["plan", "-m", str(tiny_model), "--memory", "1MiB"])
-    assert result.exit_code == 1 and "more than the" in result.output
+def test_with_one_checkpoint_a_stream_the_least_recently_used_streams_goes():
+    store = Checkpoints(budget=20)
+    store.add(0, checkpoint(64))
+    store.add(1, checkpoint(64))
+    store.best(0, 100)  # stream 0 was just used
+    store.add(2, checkpoint(64))
+    assert store.kept_bytes == 20 and positions(store, 1) == [] and positions(store, 0) == positions(store, 2) == [64]
 
 
-def test_plan_cli_checks_its_estimate_against_llama_cpp(tiny_model):
-    result = CliRunner().invoke(app, ["plan", "-m", str(tiny_model), "--ctx-per-seq", "512", "--memory", "1GiB", "--check", "--json"])
-    assert result.exit_code == 0, result.output
-    row = json.loads(result.stdout)
-    assert row["n_parallel"] >= 1 and row["total_bytes"] <= 2**30
-    assert within_5_percent(row["kv_bytes"], row["allocated_kv_bytes"])
+def test_a_copied_prefix_shares_its_sources_checkpoints_counted_once():
+    store = Checkpoints(budget=1000)
+    for n in (64, 128, 192):
+        store.add(0, checkpoint(n))
+    store.inherit(0, 3, 150)
+    assert positions(store, 3) == [64, 128]
+    assert store.kept_bytes == 30 and store.count == 5
+    store.drop(0)
+    assert store.kept_bytes == 20  # stream 3 still keeps two of them
+    store.drop(3)
+    assert store.kept_bytes == 0 and store.count == 0
 
 
-def test_run_parallel_auto_takes_one_slot_per_sequence_when_memory_allows(tiny_model):
-    result = CliRunner().invoke(app, ["run", "-m", str(tiny_model), "-p", "a", "-p", "b", "-n", "2", "--parallel", "auto",
-                                      "--max-tokens", "3", "--json"])
-    assert result.exit_code == 0, result.output
-    summary = json.loads(result.stdout.splitlines()[-1])["summary"]
-    assert summary["parallel"] == 4 and summary["decode_calls"] == 3
-
-
-def test_bad_parallel_and_memory_values_are_named():
-    bad_parallel = CliRunner().invoke(app, ["run", "-p", "a", "--parallel", "many"])
-    assert bad_parallel.exit_code == 1 and "--parallel must be a number >= 1 or 'auto', got 'many'" in bad_parallel.output
-    with pytest.raises(ValueError, match="not a memory size"):
-        parse_size("lots")
-
-
-@pytest.mark.parametrize("text, expected", [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1500", 1500)])
-def test_memory_sizes_parse(text, expected):
-    assert parse_size(text) == expected
+def test_a_checkpoint_larger_than_the_budget_is_not_kept():
+    store = Checkpoints(budget=5)
+    store.add(0, checkpoint(64, size=6))
+    assert store.count == 0 and store.kept_bytes == 0

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from llamabatch import SamplingParams
-from llamabatch.engine import batch_engine, scheduler
+from llamabatch.engine import memory, scheduler
 from llamabatch.engine.scheduler import AGING_S, Scheduler
 from llamabatch.engine.sequence import Sequence, Status
 
@@ -83,7 +83,7 @@ def _run_alone(make_engine, prompt, params, **settings):
 @pytest.mark.parametrize("swap", [True, False], ids=["kv-swapped", "kv-recomputed"])
 def test_a_preempted_greedy_sequence_resumes_with_the_tokens_it_gets_unpreempted(make_engine, monkeypatch, swap):
     if not swap:
-        monkeypatch.setattr(batch_engine, "SWAP_BUDGET_BYTES", 0)
+        monkeypatch.setattr(memory, "SWAP_BUDGET_BYTES", 0)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     alone = _run_alone(make_engine, "a low priority request that runs long", params, n_parallel=1)
     engine = make_engine(n_parallel=1)
@@ -103,14 +103,14 @@ def test_a_preempted_greedy_sequence_resumes_with_the_tokens_it_gets_unpreempted
         assert low.tokens[low.n_prompt :] == alone.token_ids
     else:  # recomputed by a multi-row prefill: the same tokens where the tiny model's near-ties hold
         assert low.finish_reason == "length" and low.n_generated == params.max_tokens
-    assert engine._swapped_bytes == 0
+    assert engine.memory.swapped_bytes == 0
 
 
 @pytest.mark.fresh_process
 def test_recomputed_after_preemption_in_deterministic_mode_gives_the_same_tokens(make_engine, monkeypatch):
     """Recomputed KV (a prefill of prompt and generated tokens) equals what decoding built only
     where kernels do not depend on a batch's rows: deterministic mode."""
-    monkeypatch.setattr(batch_engine, "SWAP_BUDGET_BYTES", 0)
+    monkeypatch.setattr(memory, "SWAP_BUDGET_BYTES", 0)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     alone = _run_alone(make_engine, "a low priority request that runs long", params, n_parallel=1, deterministic=True)
     engine = make_engine(n_parallel=1, deterministic=True)
@@ -131,9 +131,9 @@ def test_a_cancelled_swapped_sequence_gives_its_host_memory_back(make_engine):
         engine.step()
     engine.add("urgent", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), priority=0)
     engine.step()
-    assert low.swapped is not None and engine._swapped_bytes == len(low.swapped)
+    assert low.swapped is not None and engine.memory.swapped_bytes == len(low.swapped)
     engine.cancel(low)
-    assert low.finish_reason == "cancelled" and engine._swapped_bytes == 0
+    assert low.finish_reason == "cancelled" and engine.memory.swapped_bytes == 0
 
 
 def test_a_low_priority_request_under_a_stream_of_high_priority_ones_is_served(make_engine, monkeypatch):

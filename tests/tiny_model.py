@@ -1,4 +1,6 @@
-"""Write tiny llama-architecture GGUF models with random weights for fast tests.
+"""Write tiny GGUF models with random weights for fast tests: llama, and the recurrent and hybrid
+families (Mamba2, LFM2, Granite 4 hybrid, Qwen3.5), whose tensor names and shapes follow the
+vendored llama.cpp's src/llama-arch.cpp and src/models/*.cpp.
 
 The vocabulary is SentencePiece-style with byte fallback: the 256 byte tokens
 let any UTF-8 text round-trip, and a handful of word pieces make tokenization
@@ -31,6 +33,23 @@ def vocabulary(pieces: list[str] = WORD_PIECES) -> tuple[list[str], list[float],
     # Longer pieces score higher so the SPM tokenizer prefers them.
     scores = [0.0] * (3 + 256) + [float(len(p)) for p in pieces]
     return tokens, scores, [int(t) for t in types]
+
+
+def add_vocabulary(w: GGUFWriter, tokens: list[str], scores: list[float], types: list[int]) -> None:
+    """The SentencePiece-style tokenizer (BOS added, no EOS) and a ChatML template, which llama.cpp
+    recognises among its built-ins, for chat endpoints."""
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(BOS)
+    w.add_eos_token_id(EOS)
+    w.add_unk_token_id(UNK)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    )
 
 
 def write_tiny_model(
@@ -76,19 +95,7 @@ def write_tiny_model(
     w.add_rope_dimension_count(n_embd // n_head)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(0)  # all F32
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(BOS)
-    w.add_eos_token_id(EOS)
-    w.add_unk_token_id(UNK)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    # A ChatML template, which llama.cpp recognises among its built-ins, for chat endpoints.
-    w.add_chat_template(
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
-    )
+    add_vocabulary(w, tokens, scores, types)
 
     embd = weight(n_vocab, n_embd, scale=1.0)
     output = weight(n_vocab, n_embd, scale=1.0)
@@ -162,6 +169,121 @@ def _write_lora(path: Path, arch: str, targets: list[tuple[str, int, int]], *, r
     for name, n_out, n_in in targets:
         w.add_tensor(f"{name}.lora_a", (rng.standard_normal((rank, n_in)) * scale).astype(np.float32))
         w.add_tensor(f"{name}.lora_b", (rng.standard_normal((n_out, rank)) * scale).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# The recurrent and hybrid families, by llama.cpp architecture name: one recurrent, three hybrids
+# (LFM2 short convolutions, Granite 4's Mamba2 layers, Qwen3.5's gated delta-net, each beside
+# attention). LFM2 and Qwen3.5 keep llama.cpp's rollback snapshots; Mamba2 and Granite do not.
+FAMILIES = ("mamba2", "lfm2", "granitehybrid", "qwen35")
+
+
+def write_tiny_family(
+    path: Path, arch: str, *, n_embd: int = 64, n_layer: int = 4, n_head: int = 4, n_ff: int = 128, seed: int = 0,
+    perturb: float = 0.0, d_state: int = 16, n_ssm_head: int = 4, attention_every: int = 2, extra_pieces: int = 0,
+    f16: bool = False,
+) -> Path:
+    """Write a tiny model of a recurrent or hybrid architecture (FAMILIES), with write_tiny_model's
+    vocabulary. Hybrids attend in every attention_every-th layer (the odd ones by default); the
+    others are recurrent. `perturb` adds that much noise to the output layer: a near copy of the
+    seed's model, which agrees with it often but not always (a draft model whose drafts are partly
+    accepted). The benchmarks write models of real models' shapes with the rest: the recurrent
+    state's size (d_state, n_ssm_head), `extra_pieces` more vocabulary, F16 matrices."""
+    if arch not in FAMILIES:
+        raise ValueError(f"not a family these tests write: {arch}")
+    tokens, scores, types = vocabulary(WORD_PIECES + [f"▁piece{i}" for i in range(extra_pieces)])
+    rng = np.random.default_rng(seed)
+    matrix_type = np.float16 if f16 else np.float32
+
+    def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
+        values = (rng.standard_normal(shape) * scale).astype(np.float32)
+        return values.astype(matrix_type) if len(shape) > 1 else values
+
+    head = n_embd // n_head
+    attends = [arch != "mamba2" and i % attention_every == attention_every - 1 for i in range(n_layer)]
+    n_group, d_conv = 1, 4
+    d_inner = d_state * n_ssm_head if arch == "qwen35" else 2 * n_embd  # delta-net: a d_state square per value head
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-test-{arch}")
+    w.add_context_length(2048)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    if arch in ("mamba2", "qwen35"):  # Qwen3.5's loader reads one count for all its attention layers
+        w.add_head_count_kv(0 if arch == "mamba2" else n_head)
+    else:  # a count per layer: 0 marks a recurrent one
+        w.add_head_count_kv([n_head if a else 0 for a in attends])
+    w.add_rope_dimension_count(head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(1 if f16 else 0)
+    add_vocabulary(w, tokens, scores, types)
+    if arch == "lfm2":
+        w.add_uint32("lfm2.shortconv.l_cache", 3)
+    else:
+        w.add_ssm_conv_kernel(d_conv)
+        w.add_ssm_inner_size(d_inner)
+        w.add_ssm_state_size(d_state)
+        w.add_ssm_time_step_rank(n_ssm_head)
+        w.add_ssm_group_count(n_group)
+    if arch == "qwen35":
+        w.add_rope_dimension_sections([head // 4, head // 4, 0, 0])
+        w.add_uint32("qwen35.full_attention_interval", attention_every)
+
+    w.add_tensor("token_embd.weight", weight(len(tokens), n_embd, scale=1.0))
+    for i in range(n_layer):
+        b = f"blk.{i}"
+        w.add_tensor(f"{b}.attn_norm.weight", np.ones(n_embd, np.float32))
+        if attends[i]:
+            w.add_tensor(f"{b}.attn_q.weight", weight(n_embd * (2 if arch == "qwen35" else 1), n_embd))  # Qwen3.5: and a gate
+            for name in ("attn_k", "attn_v", "attn_output"):
+                w.add_tensor(f"{b}.{name}.weight", weight(n_embd, n_embd))
+            if arch in ("lfm2", "qwen35"):
+                w.add_tensor(f"{b}.attn_q_norm.weight", np.ones(head, np.float32))
+                w.add_tensor(f"{b}.attn_k_norm.weight", np.ones(head, np.float32))
+        elif arch == "lfm2":
+            w.add_tensor(f"{b}.shortconv.conv.weight", weight(n_embd, 3).astype(np.float32))  # the conv stays F32
+            w.add_tensor(f"{b}.shortconv.in_proj.weight", weight(3 * n_embd, n_embd))
+            w.add_tensor(f"{b}.shortconv.out_proj.weight", weight(n_embd, n_embd))
+        elif arch == "qwen35":
+            key_dim, value_dim = d_state * n_group, d_state * n_ssm_head
+            conv_dim = 2 * key_dim + value_dim
+            w.add_tensor(f"{b}.attn_qkv.weight", weight(conv_dim, n_embd))
+            w.add_tensor(f"{b}.attn_gate.weight", weight(value_dim, n_embd))
+            w.add_tensor(f"{b}.ssm_conv1d.weight", weight(conv_dim, d_conv, scale=0.5).astype(np.float32))
+            w.add_tensor(f"{b}.ssm_dt.bias", weight(n_ssm_head))
+            w.add_tensor(f"{b}.ssm_a", -np.ones(n_ssm_head, np.float32))  # A = -exp(A_log), as converted
+            w.add_tensor(f"{b}.ssm_beta.weight", weight(n_ssm_head, n_embd))
+            w.add_tensor(f"{b}.ssm_alpha.weight", weight(n_ssm_head, n_embd))
+            w.add_tensor(f"{b}.ssm_norm.weight", np.ones(d_state, np.float32))
+            w.add_tensor(f"{b}.ssm_out.weight", weight(n_embd, value_dim))
+        else:  # Mamba2 layers (mamba2, granitehybrid)
+            conv_dim = d_inner + 2 * n_group * d_state
+            in_proj = d_inner + conv_dim + n_ssm_head  # z, then x B C, then dt
+            w.add_tensor(f"{b}.ssm_in.weight", weight(in_proj, n_embd))
+            w.add_tensor(f"{b}.ssm_conv1d.weight", weight(conv_dim, d_conv, scale=0.5).astype(np.float32))
+            w.add_tensor(f"{b}.ssm_conv1d.bias", weight(conv_dim))
+            w.add_tensor(f"{b}.ssm_dt.bias", weight(n_ssm_head))
+            w.add_tensor(f"{b}.ssm_a", -np.ones((n_ssm_head, 1), np.float32))
+            w.add_tensor(f"{b}.ssm_d", np.ones((n_ssm_head, 1), np.float32))
+            w.add_tensor(f"{b}.ssm_norm.weight", np.ones((n_group, d_inner // n_group), np.float32))
+            w.add_tensor(f"{b}.ssm_out.weight", weight(n_embd, d_inner))
+        if arch == "mamba2":
+            continue  # no feed-forward: the Mamba block is the layer
+        w.add_tensor(f"{b}.{'post_attention_norm' if arch == 'qwen35' else 'ffn_norm'}.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"{b}.ffn_gate.weight", weight(n_ff, n_embd))
+        w.add_tensor(f"{b}.ffn_up.weight", weight(n_ff, n_embd))
+        w.add_tensor(f"{b}.ffn_down.weight", weight(n_embd, n_ff))
+    # LFM2's GGUFs name the final norm token_embd_norm (llama.cpp keeps the converter's name)
+    w.add_tensor("token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight", np.ones(n_embd, np.float32))
+    output = weight(len(tokens), n_embd, scale=1.0)
+    if perturb:
+        output = output + (perturb * np.random.default_rng(seed + 1).standard_normal(output.shape)).astype(output.dtype)
+    w.add_tensor("output.weight", output)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -15,8 +15,9 @@ from ..engine.options import EngineOptions
 from ..errors import LlamabatchError
 from ..jobs.prompts import gather_prompts
 from .options import (
-    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChoiceOpt, CtxOpt, CtxPerSeqOpt, DEFAULT,
-    DeterministicOpt, DraftMaxOpt, DraftModelOpt, FlashAttnOpt, FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt,
+    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, CheckpointEveryOpt, CheckpointMemoryOpt, ChoiceOpt,
+    CtxOpt, CtxPerSeqOpt, DEFAULT, DeterministicOpt, DraftMaxOpt, DraftModelOpt, FlashAttnOpt, FrequencyPenaltyOpt,
+    GpuLayersOpt, GrammarOpt,
     IgnoreEosOpt, JsonOpt, JsonSchemaOpt, KvUnifiedOpt, LoraOpt, MaxTokensOpt, MemoryOpt, MinPOpt, ModelOpt,
     ParallelOpt, PresencePenaltyOpt, RegexOpt, RepeatPenaltyOpt, RpcOpt, RpcTimeoutOpt, SamplesOpt, SeedOpt,
     SharePrefixesOpt, SpeculativeOpt, StopOpt, TemperatureOpt, TensorSplitOpt, ThreadsOpt, TopKOpt, TopPOpt,
@@ -68,6 +69,8 @@ def run(
     speculative: SpeculativeOpt = None,
     draft_model: DraftModelOpt = None,
     draft_max: DraftMaxOpt = None,
+    checkpoint_every: CheckpointEveryOpt = None,
+    checkpoint_memory: CheckpointMemoryOpt = None,
     chat: ChatOpt = None,
     stream: Annotated[bool, typer.Option(help="Show each sequence's text live.")] = False,
     json_out: JsonOpt = False,
@@ -149,6 +152,8 @@ def score(
     cache_type_k: CacheTypeKOpt = None,
     cache_type_v: CacheTypeVOpt = None,
     flash_attn: FlashAttnOpt = None,
+    checkpoint_every: CheckpointEveryOpt = None,
+    checkpoint_memory: CheckpointMemoryOpt = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:

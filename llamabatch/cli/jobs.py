@@ -12,8 +12,9 @@ from ..engine import BatchEngine, SamplingParams
 from ..engine.options import AUTO, EngineOptions
 from ..errors import LlamabatchError
 from .options import (
-    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChoiceOpt, CtxOpt, CtxPerSeqOpt, DeterministicOpt,
-    DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt,
+    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, CheckpointEveryOpt, CheckpointMemoryOpt, ChoiceOpt,
+    CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt,
+    FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt,
     IgnoreEosOpt, JsonSchemaOpt, KvUnifiedOpt, LoraOpt, MaxTokensOpt, MemoryOpt, MinPOpt, ModelOpt, ParallelOpt,
     PresencePenaltyOpt, RegexOpt, RepeatPenaltyOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SamplesOpt, SeedOpt,
     SharePrefixesOpt, SpeculativeOpt, StopOpt, TemperatureOpt, TensorSplitOpt, ThreadsOpt, TopKOpt, TopPOpt,
@@ -72,6 +73,8 @@ def batch(
     speculative: SpeculativeOpt = None,
     draft_model: DraftModelOpt = None,
     draft_max: DraftMaxOpt = None,
+    checkpoint_every: CheckpointEveryOpt = None,
+    checkpoint_memory: CheckpointMemoryOpt = None,
     chat: ChatOpt = None,
     ray: Annotated[Optional[str], typer.Option(
         "--ray", metavar="ADDRESS", help="Run on a Ray cluster: 'local' (a Ray instance on this machine), 'auto' (the running cluster) or ray://host:port.",

@@ -11,7 +11,7 @@ import typer
 from .. import display
 from ..catalog import Catalog, ModelSpec
 from ..engine import BatchEngine, EngineConfig, SamplingParams
-from ..engine.memory import plan_for
+from ..engine.planning import plan_for
 from ..engine.native import Model, init_backend
 from ..engine.options import EngineOptions, memory_budget
 from ..errors import LlamabatchError

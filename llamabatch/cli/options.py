@@ -51,6 +51,12 @@ DraftModelOpt = Annotated[
     Optional[str], typer.Option("--draft-model", metavar="NAME|PATH", help="A smaller model with the same vocabulary that drafts tokens (turns on --speculative draft).")
 ]
 DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Most draft tokens per sequence and step (15).")]
+CheckpointEveryOpt = Annotated[Optional[int], typer.Option(
+    "--checkpoint-every", metavar="TOKENS", help="Recurrent and hybrid models: checkpoint a prompt's state every TOKENS (64; 0: at its end only), so later prompts reuse its prefix.",
+)]
+CheckpointMemoryOpt = Annotated[Optional[str], typer.Option(
+    "--checkpoint-memory", metavar="SIZE", help="Recurrent and hybrid models: host memory for those checkpoints, e.g. 512MiB (1GiB; 0: none).",
+)]
 EmbedPackOpt = Annotated[Optional[int], typer.Option("--embed-pack", help="Tokens packed into one embedding decode (256; 2048 gives llama-embedding's own vectors).")]
 ReplicasOpt = Annotated[Optional[str], typer.Option("--replicas", metavar="N|auto", help="Engines, on Ray: a number, or 'auto' (one per GPU, else one per node).")]
 SharePrefixesOpt = Annotated[

@@ -17,8 +17,8 @@ from ..engine.options import AUTO, EngineOptions
 from ..engine.rpc import DEFAULT_PORT as DEFAULT_RPC_PORT
 from ..errors import LlamabatchError
 from .options import (
-    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt,
-    DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt, MemoryOpt, ModelOpt,
+    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CtxOpt, CtxPerSeqOpt,
+    DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt, MemoryOpt, ModelOpt,
     ParallelOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SharePrefixesOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt,
     UbatchOpt, VerboseOpt, parse_pooling, parse_replicas, reports_errors,
 )
@@ -63,6 +63,8 @@ def serve(
     speculative: SpeculativeOpt = None,
     draft_model: DraftModelOpt = None,
     draft_max: DraftMaxOpt = None,
+    checkpoint_every: CheckpointEveryOpt = None,
+    checkpoint_memory: CheckpointMemoryOpt = None,
     replicas: ReplicasOpt = None,
     ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="With --replicas: 'local' (default), 'auto' (the running cluster) or ray://host:port.")] = None,
     verbose: VerboseOpt = False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -17,11 +18,12 @@ from .config import RPC_TIMEOUT_S, EngineConfig
 from .constraints import Constraint, Grammars
 from .embedding import MAX_TEXTS_PER_DECODE, Embedder, Pooling, finish, model_pooling
 from ..errors import ConfigError, ConstraintError, DecodeError, EngineBroken, PromptError, SamplingError
-from .native import KV_FULL, Batch, Context, Model, init_backend, use_row_invariant_matmul
+from .memory import Memory, MemoryRefused
+from .native import INVALID_BATCH, KV_FULL, Batch, Context, Model, init_backend, use_row_invariant_matmul
 from .rpc import guard as rpc_guard, local_accelerators, remote_devices
-from .results import Event, PromptScore, Result, RunStats, Score
+from .results import Event, Result, RunStats, Score
 from .sampling import GreedySampler, SamplingParams, build_sampler, score_rows, token_logprob
-from .scheduler import LONE_ROW_MAX_CELLS, Scheduler
+from .scheduler import LONE_ROW_MAX_CELLS, Filler, Scheduler
 from .sequence import Sequence, Status
 from .rows import lay_out
 from .scoring import scored_prompts, total_score
@@ -30,13 +32,9 @@ from .speculator import Speculator
 # Logits a step may ask for when prompts are scored (each row is a vocabulary of floats): 256
 # rows of Gemma 3's 262,144, or every row of a batch for a small vocabulary.
 LOGITS_BUDGET_BYTES = 256 << 20
-# A step that fails fails the sequences it carried; this many failing in a row (different
+# A step that decodes nothing fails the sequences it carried; this many in a row (different
 # batches each time) mean the context itself is broken, and the engine stops.
 MAX_FAILED_STEPS = 3
-# Host memory for the KV of sequences preempted to make way for a better priority: kept, it is
-# put back as it was (no prefill again, and greedy output exactly as unpreempted); beyond this
-# budget a preempted sequence's KV is freed and recomputed when it runs again.
-SWAP_BUDGET_BYTES = 2 << 30
 
 
 class BatchEngine:
@@ -63,6 +61,8 @@ class BatchEngine:
         speculative: str | None = None,
         draft_model: str | Path | None = None,
         draft_max: int | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_memory: int | str | None = None,
         embed_pack: int | None = None,
         scheduling: str | None = None,
         lora: Iterable[str | Path] | None = None,
@@ -81,7 +81,8 @@ class BatchEngine:
             spec, n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
             n_threads=n_threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
             deterministic=deterministic, speculative=speculative, draft_model=None if draft_model is None else str(draft_model),
-            draft_max=draft_max, embed_pack=embed_pack, scheduling=scheduling, lora=None if lora is None else tuple(map(str, lora)),
+            draft_max=draft_max, checkpoint_every=checkpoint_every, checkpoint_memory=checkpoint_memory,
+            embed_pack=embed_pack, scheduling=scheduling, lora=None if lora is None else tuple(map(str, lora)),
             cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn, rpc=rpc, tensor_split=tensor_split,
             rpc_timeout=rpc_timeout, chat=chat, verbose=verbose,
         )
@@ -104,8 +105,12 @@ class BatchEngine:
                 self.model, n_ctx=cfg.n_ctx * n_streams // cfg.n_parallel, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
                 n_seq_max=n_streams, n_threads=cfg.n_threads, kv_unified=cfg.kv_unified,
                 cache_type_k=cfg.cache_type_k, cache_type_v=cfg.cache_type_v, flash_attn=cfg.flash_attn,
+                n_rs_seq=self._rollback_snapshots(),
             )
             undo.callback(self.ctx.close)
+            # Without shared prefixes a finished sequence's memory is freed: no prefix outlives it
+            # to be checkpointed (transient checkpoints, for drafts and fillers, need no budget).
+            self.memory = Memory(self.ctx, self.model, cfg.checkpoint_memory if cfg.share_prefixes else 0)
             self.speculator = Speculator.for_config(cfg, self.model.vocab, self.ctx.n_ctx, draft_path)
             undo.pop_all()  # loaded: close() frees them from now on
         self.vocab = self.model.vocab
@@ -120,8 +125,10 @@ class BatchEngine:
             cfg.n_parallel, self.ctx.n_batch, cfg.share_prefixes, batch_invariant=cfg.deterministic, n_streams=n_streams,
             lone_row_max_cells=0 if float_weights else LONE_ROW_MAX_CELLS,
             max_outputs=LOGITS_BUDGET_BYTES // (4 * self.vocab.n_vocab), policy=cfg.scheduling,
+            # Memory that cannot be cut is checkpointed where prefills stop: every checkpoint_every
+            # prompt tokens, at a prompt's end, where a reused prefix stopped matching.
+            checkpoint_every=cfg.checkpoint_every if self.memory.checkpointing else None,
         )
-        self._swapped_bytes = 0  # KV of preempted sequences held in host memory
         self.grammars = Grammars(self.vocab)
         self.stats = RunStats()
         self.broken: str | None = None  # why the engine cannot go on, once it cannot
@@ -130,6 +137,15 @@ class BatchEngine:
         self._uids = itertools.count()
         self._embedders: dict[Pooling, Embedder] = {}  # made on first use, one per pooling type
         self._default_pooling: Pooling | None = None
+
+    def _rollback_snapshots(self) -> int:
+        """Speculation on recurrent or hybrid memory: ask llama.cpp to keep the states after each of
+        a decode's last draft_max tokens, so rejected drafts roll back without a checkpoint (where
+        the architecture supports it; elsewhere llama.cpp grants none and checkpoints do it)."""
+        cfg = self.config
+        if cfg.speculative == "off" or not (self.model.is_recurrent or self.model.is_hybrid):
+            return 0
+        return cfg.draft_max
 
     def _placement(self) -> dict:
         """Where the model's offloaded layers go: with --rpc, the remotes' devices, then this
@@ -179,6 +195,9 @@ class BatchEngine:
         adapters = self.adapters.default if params.adapters is None else params.adapters
         self.adapters.check(adapters)
         sequences = [self._new_sequence(index, k, prompt, tokens, p) for k, p in enumerate(params.per_sample())]
+        if params.n > self.config.n_parallel and self.scheduler.checkpoint_every is not None:
+            for seq in sequences:  # samples that wait for a slot take the prompt from a checkpoint there
+                seq.checkpoint_at = len(tokens) - 1
         for seq, matcher in zip(sequences, matchers):
             seq.matcher, seq.adapters = matcher, adapters
             seq.priority, seq.priority_class = priority, priority_class
@@ -234,63 +253,114 @@ class BatchEngine:
 
     def step(self) -> list[Event]:
         """Admit, schedule, fill one batch, decode it once, sample each sequence that is due a token.
-        A step that fails (anything but a full KV cache, which is recovered from) fails the
-        sequences it carried and only those; once MAX_FAILED_STEPS fail in a row the engine is
-        broken and every later step raises EngineBroken."""
+        A decode that fails because of one sequence fails that sequence alone (_run); anything
+        else that fails a step fails the sequences it carried. Once MAX_FAILED_STEPS in a row
+        decode nothing, the engine is broken and every later step raises EngineBroken."""
         if self.broken is not None:
             raise EngineBroken(self.broken)
         events: list[Event] = []
         carried: list[Sequence] = []
         try:
-            self._step(events, carried)
+            failure = self._step(events, carried)
         except Exception as e:  # noqa: BLE001 - whatever failed, the sequences must end, reported
             events += self._fail_step(carried or list(self.scheduler.running), e)
         else:
-            self._failed_steps = 0
+            if failure is None:
+                self._failed_steps = 0
+            else:
+                self._count_failed_step(failure)
         return events
 
-    def _step(self, events: list[Event], carried: list[Sequence]) -> None:
+    def _step(self, events: list[Event], carried: list[Sequence]) -> str | None:
+        """One step; returns why it decoded nothing, when every row it carried failed to decode."""
         started = time.perf_counter()
         for victim in self.scheduler.victims():
             self._make_way(victim)
         for seq in self.scheduler.admit():
-            self._take_cached_prefix(seq)
+            self.memory.resume(seq)
+            self.stats.prompt_tokens_reused += seq.n_cached
         drafted = self._propose_drafts() if self.speculator is not None else None  # None: nothing planned
         scheduled = self.scheduler.schedule(reserved=sum(len(s.draft) for s in drafted) if drafted else 0)
         carried += scheduled
         for seq in drafted or ():
             seq.n_chunk += len(seq.draft)  # its last token, then the drafts
+            self.memory.prepare_to_reject(seq.seq_id, len(seq.draft))
         if not scheduled:
-            return
+            return None
         if self.adapters.apply(self.ctx, scheduled[0].adapters):  # the scheduler gives a step one set
             self.stats.adapter_switches += 1
+        tokens_before = self.stats.completion_tokens
+        decoded, failure = self._run(scheduled, events)
+        ended = time.perf_counter()
+        if decoded:
+            self.stats.record_step(started, ended)
+        if drafted is not None and failure is None:  # planned, so a pure decode step (the speculator plans none beside a prompt)
+            self.speculator.observe(drafted, self.stats.completion_tokens - tokens_before, ended - started)
+        return failure if not decoded else None
+
+    def _run(self, rows: list[Sequence], events: list[Event]) -> tuple[int, str | None]:
+        """Decode the rows in one batch, then advance and sample them. A full KV cache is
+        recovered from; any other failed decode is tried again in halves, down to the sequence it
+        fails for, which fails alone with llama.cpp's reason: the others decode as they would have.
+        Returns how many rows were decoded, and the last failure (None: none)."""
         try:
-            self._decode(scheduled)
+            self._decode(rows)
         except DecodeError as e:
-            if e.code != KV_FULL:
-                raise
-            events += self._recover_kv_full(scheduled)
-            return
+            if e.code == KV_FULL:
+                events += self._recover_kv_full(rows)
+                return 0, None
+            self._undo(rows, stored=e.code != INVALID_BATCH)
+            self.stats.failed_decodes += 1
+            named = self._named_by(e)
+            if named is not None or len(rows) == 1:
+                events.append(self._fail(named or rows[0], str(e)))
+                rest = [seq for seq in rows if seq.status is Status.RUNNING]
+                decoded, _ = self._run(rest, events) if rest else (0, None)
+                return decoded, str(e)
+            decoded, failure = 0, None
+            for part in (rows[: len(rows) // 2], rows[len(rows) // 2 :]):
+                part = [seq for seq in part if seq.status is Status.RUNNING]  # a half may have preempted some
+                n, why = self._run(part, events) if part else (0, None)
+                decoded, failure = decoded + n, why or failure
+            return decoded, failure
         logits = self.ctx.output_logits(self.batch.n_outputs, self.vocab.n_vocab) if self.batch.n_outputs else None
         due: list[Sequence] = []
-        for seq in scheduled:
+        for seq in rows:
             self._advance(seq, due, logits)
-        tokens_before = self.stats.completion_tokens
         self._sample(due, logits, events)
-        ended = time.perf_counter()
-        self.stats.record_step(started, ended)
-        if drafted is not None:  # planned, so a pure decode step (the speculator plans none beside a prompt)
-            self.speculator.observe(drafted, self.stats.completion_tokens - tokens_before, ended - started)
+        return len(rows), None
+
+    def _named_by(self, error: DecodeError) -> Sequence | None:
+        """The running sequence llama.cpp's refusal names ("the tokens of sequence 3 ..."), if any:
+        it fails at once, with no halving (which a filler in its stream would mislead)."""
+        found = re.search(r"\bsequence (\d+)\b", str(error))
+        return next((seq for seq in self.scheduler.running if found and seq.seq_id == int(found[1])), None)
+
+    def _undo(self, rows: list[Sequence], stored: bool = True) -> None:
+        """A decode that did not go through: drafts are dropped (the rows decode their last token),
+        and where llama.cpp may have stored part of the batch (`stored`: it failed while
+        computing, after some micro-batches), each row's memory goes back to what it held before,
+        which recurrent memory may only do to a checkpoint (those rows then prefill from there).
+        A batch refused whole (no free KV slot, or invalid) left memory as it was."""
+        for seq in rows:
+            if seq.draft:
+                seq.n_chunk -= len(seq.draft)
+                seq.draft = []
+            if stored:
+                seq.n_past = self.memory.truncate(seq.seq_id, seq.n_past)
+
+    def _count_failed_step(self, why: str) -> None:
+        self._failed_steps += 1
+        self.stats.failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            self.broken = f"{MAX_FAILED_STEPS} engine steps failed in a row, the last with: {why}"
 
     def _fail_step(self, carried: list[Sequence], error: Exception) -> list[Event]:
         """End every unfinished sequence the failed step carried with the error (their events
         from before the failure stand), and any follower it gave a prefix to that never got to
         sample from it (nothing left to decode, it would wait forever)."""
-        message = str(error) if isinstance(error, DecodeError) else f"the engine step failed: {type(error).__name__}: {error}"
-        self._failed_steps += 1
-        self.stats.failed_steps += 1
-        if self._failed_steps >= MAX_FAILED_STEPS:
-            self.broken = f"{MAX_FAILED_STEPS} engine steps failed in a row, the last with: {message}"
+        message = f"the engine step failed: {type(error).__name__}: {error}"
+        self._count_failed_step(message)
         stranded = [seq for seq in self.scheduler.running if seq.n_pending == 0]
         return [self._fail(seq, message) for seq in dict.fromkeys(carried + stranded) if seq.status is not Status.FINISHED]
 
@@ -400,7 +470,7 @@ class BatchEngine:
     def drop_cached_prefixes(self) -> None:
         """Free the KV that finished sequences left in their slots for later prompts."""
         for seq_id in self.scheduler.evict_cached():
-            self.ctx.remove_sequence(seq_id)
+            self.memory.clear(seq_id)
 
     # -- inside a step ---------------------------------------------------------------
 
@@ -412,41 +482,18 @@ class BatchEngine:
         return self.speculator.propose(running, room, self.ctx.n_ctx_seq)
 
     def _make_way(self, victim: Sequence) -> None:
-        """Preempt a running sequence for a better-priority one: its KV saved to host memory if
-        the swap budget holds it (put back when it runs again), else freed (recomputed then)."""
-        if victim.n_past and self._swapped_bytes < SWAP_BUDGET_BYTES:
-            saved = self.ctx.save_sequence(victim.seq_id)
-            if self._swapped_bytes + len(saved) <= SWAP_BUDGET_BYTES:
-                victim.swapped = saved
-                self._swapped_bytes += len(saved)
-        self.ctx.remove_sequence(victim.seq_id)
+        """Preempt a running sequence for a better-priority one: its memory swapped out to host
+        memory where the budget holds it (put back when it runs again), else freed."""
+        self.memory.swap_out(victim)
         victim.draft = []
         self.scheduler.preempt(victim, kv_full=False)
         self.stats.priority_preemptions += 1
 
-    def _drop_swapped(self, seq: Sequence) -> None:
-        if seq.swapped is not None:
-            self._swapped_bytes -= len(seq.swapped)
-            seq.swapped = None
-
-    def _take_cached_prefix(self, seq: Sequence) -> None:
-        """Keep the part of the slot's cached KV the scheduler matched (if still usable), drop the
-        rest; or put back the KV a preempted sequence had (recomputed if it no longer fits)."""
-        if seq.swapped is not None:
-            self.ctx.remove_sequence(seq.seq_id)
-            restored = self.ctx.restore_sequence(seq.seq_id, seq.swapped)
-            self._drop_swapped(seq)
-            if restored:
-                return
-            self.ctx.remove_sequence(seq.seq_id)  # whatever part did go in
-            seq.n_past, seq.scored = 0, PromptScore()
-        seq.n_past = self.ctx.reusable(seq.seq_id, seq.n_past)
-        self.ctx.remove_sequence(seq.seq_id, from_pos=seq.n_past)
-        self.stats.prompt_tokens_reused += min(seq.n_past, seq.n_prompt)
-
     def _decode(self, scheduled: list[Sequence]) -> None:
         """One batch of the scheduled sequences' chunks (and deterministic fillers), one decode."""
         fillers = self.scheduler.fillers(scheduled) if self.config.deterministic else []
+        for filler in fillers:
+            self.memory.prepare_to_reject(filler.seq_id, 1)
         # Rows in seq_id order: llama.cpp groups consecutive seq_ids into one micro-batch.
         rows = sorted([*scheduled, *fillers], key=lambda row: row.seq_id) if fillers else scheduled  # already in order
         tokens, pos, seq_ids, logits, self._output_row = lay_out(rows, self._filler_logits)
@@ -455,9 +502,18 @@ class BatchEngine:
         self.stats.sequence_slots += len(scheduled)
         try:
             self.ctx.decode(self.batch)
-        finally:
-            for filler in fillers:
-                self.ctx.remove_sequence(filler.seq_id, from_pos=filler.pos)
+        except DecodeError as e:
+            if e.code not in (KV_FULL, INVALID_BATCH):  # refused whole, it stored nothing
+                self._take_out(fillers)
+            raise
+        self._take_out(fillers)
+
+    def _take_out(self, fillers: list[Filler]) -> None:
+        """Each filler's stream goes back to what it held: its owner is a prompt between chunks or
+        a slot's cached prefix, which the filler must not change."""
+        for filler in fillers:
+            if self.memory.reject(filler.seq_id, filler.pos, decoded=1) != filler.pos:
+                raise MemoryRefused(f"a deterministic filler could not be taken out of sequence {filler.seq_id}'s memory")
 
     def _advance(self, seq: Sequence, due: list[Sequence], logits: np.ndarray | None) -> None:
         """The decode took the chunk into the KV cache: score the prompt tokens it predicts, hand
@@ -470,6 +526,9 @@ class BatchEngine:
             targets = seq.tokens[scored.start + 1 : scored.stop + 1]
             score_rows(seq.scored, logits[first : first + len(scored)], targets, seq.params.prompt_logprobs)
         seq.n_past += seq.n_chunk
+        if seq.checkpoint_after:
+            seq.checkpoint_after = False
+            self.memory.checkpoint(seq.seq_id)
         if seq.followers:
             for follower in [f for f in seq.followers if f.n_shared == seq.n_past]:
                 self._share_prefix(seq, follower, due)
@@ -477,12 +536,10 @@ class BatchEngine:
             due.append(seq)
 
     def _share_prefix(self, leader: Sequence, follower: Sequence, due: list[Sequence]) -> None:
-        self.ctx.copy_prefix(leader.seq_id, follower.seq_id, follower.n_shared)
+        self.stats.prompt_tokens_reused += self.memory.share(leader, follower)
         leader.followers.remove(follower)
         follower.leader = None
-        self.stats.prompt_tokens_reused += follower.n_shared - min(follower.n_past, follower.n_shared)
-        follower.n_past = follower.n_shared
-        if follower.n_pending == 0:  # the whole prompt is shared: sample from the leader's logits
+        if follower.n_past == follower.n_shared and follower.n_pending == 0:  # the whole prompt is shared: sample from the leader's logits
             follower.i_batch = leader.i_batch
             due.append(follower)
         # The follower may have jumped past what its own followers wait for: they copy from it now.
@@ -501,19 +558,25 @@ class BatchEngine:
         raw = self._mask_constrained(due, rows, shared, logits)
         best = logits.argmax(axis=1) if any(isinstance(s.sampler, GreedySampler) for s in due) else None
         for seq, r in zip(due, rows):
-            if seq.params.max_tokens == 0:
-                events.append(self._finish(seq, None, "", "length"))
-                continue
-            if seq.draft:
-                events += self._verify(seq, best, logits)
-                continue
-            if seq.matcher is not None and r in shared:
-                token = self._sample_masked_copy(seq, logits[r])
-            else:
-                token = int(best[r]) if isinstance(seq.sampler, GreedySampler) else seq.sampler.sample(self.ctx, seq.i_batch)
-            if seq.params.logprobs is not None:  # the model's own distribution, before any mask
-                seq.logprobs.append(token_logprob(raw.get(seq.uid, logits[r]), token, seq.params.logprobs))
-            events.append(self._accept(seq, token))
+            try:
+                events += self._sample_one(seq, r, shared, best, raw, logits)
+            except Exception as e:  # noqa: BLE001 - its failure, not its neighbours'
+                if seq.status is not Status.FINISHED:
+                    events.append(self._fail(seq, f"sampling failed: {type(e).__name__}: {e}"))
+
+    def _sample_one(self, seq: Sequence, r: int, shared: set[int], best: np.ndarray | None,
+                    raw: dict[int, np.ndarray], logits: np.ndarray) -> list[Event]:
+        if seq.params.max_tokens == 0:
+            return [self._finish(seq, None, "", "length")]
+        if seq.draft:
+            return self._verify(seq, best, logits)
+        if seq.matcher is not None and r in shared:
+            token = self._sample_masked_copy(seq, logits[r])
+        else:
+            token = int(best[r]) if isinstance(seq.sampler, GreedySampler) else seq.sampler.sample(self.ctx, seq.i_batch)
+        if seq.params.logprobs is not None:  # the model's own distribution, before any mask
+            seq.logprobs.append(token_logprob(raw.get(seq.uid, logits[r]), token, seq.params.logprobs))
+        return [self._accept(seq, token)]
 
     def _verify(self, seq: Sequence, best: np.ndarray | None, logits: np.ndarray) -> list[Event]:
         """Accept what the speculator keeps of the sequence's drafts (their rejected KV is
@@ -525,7 +588,8 @@ class BatchEngine:
         seq.draft = []
         seq.n_past -= k - n_ok  # the decode took all k + 1 tokens in; the rejected ones go
         if n_ok < k:
-            self.ctx.remove_sequence(seq.seq_id, from_pos=seq.n_past)
+            # Recurrent memory may go back further, to its checkpoint: the kept tokens are decoded again.
+            seq.n_past = self.memory.reject(seq.seq_id, seq.n_past, decoded=k + 1)
         self.stats.draft_tokens += k
         self.stats.draft_accepted += n_ok
         events = []
@@ -583,13 +647,13 @@ class BatchEngine:
         """The sequence is done; its KV stays in its slot as a prefix cache for later prompts
         (when prefixes are shared; else it is freed, so a deterministic filler finds room there)."""
         text += seq.text.finish()
-        self._drop_swapped(seq)
+        self.memory.drop_swap(seq)
         seq.finish_reason, seq.error = reason, error
         if seq.incomplete:
             self.stats.incomplete_structured += 1
         seq.t_finished = time.perf_counter()
         if seq.status is Status.RUNNING and not self.config.share_prefixes:
-            self.ctx.remove_sequence(seq.seq_id)
+            self.memory.clear(seq.seq_id)
         self.scheduler.release(seq)
         seq.close_samplers()
         return self._event(seq, token, text, reason, error)
@@ -602,15 +666,13 @@ class BatchEngine:
     def _recover_kv_full(self, scheduled: list[Sequence]) -> list[Event]:
         """No KV slot for this batch: undo it, then make room by dropping cached prefixes,
         preempting the newest sequence, or (alone) cutting it short."""
-        for seq in scheduled:  # drop whatever part of the batch llama.cpp did store
-            self.ctx.remove_sequence(seq.seq_id, from_pos=seq.n_past)
-            seq.draft = []
+        self._undo(scheduled, stored=False)
         if self.ctx.kv_unified and self.scheduler.has_cached_prefixes:  # cells the batch can use: retry
             self.drop_cached_prefixes()
             return []
         if len(self.scheduler.running) > 1:
             victim = max(self.scheduler.running, key=self.scheduler.rank_of)  # the worst ranked: the newest of the lowest priority
-            self.ctx.remove_sequence(victim.seq_id)
+            self.memory.clear(victim.seq_id)
             self.scheduler.preempt(victim)
             self.stats.preemptions += 1
             return []
@@ -620,7 +682,7 @@ class BatchEngine:
         """End a sequence with the engine's error. Its KV goes: a failed decode may have left
         part of a batch there."""
         if seq.status is Status.RUNNING:
-            self.ctx.remove_sequence(seq.seq_id)
+            self.memory.clear(seq.seq_id)
             seq.n_past = 0  # its slot keeps nothing
         seq.draft = []
         return self._finish(seq, None, "", "error", message)

@@ -29,6 +29,12 @@ KV_CELLS_PER_SEQUENCE_MIN = 256
 # between llama-embedding -c 256 and -c 2048 on Gemma): set 2048 to get llama-embedding's own.
 EMBED_PACK_TOKENS = 256
 RPC_TIMEOUT_S = 600.0  # --rpc-timeout's default
+# Recurrent and hybrid memory cannot drop a suffix, so a prefix is reused from checkpoints of its
+# state: one every CHECKPOINT_EVERY prompt tokens (a prefix shared with an earlier prompt then costs
+# at most that many tokens more than on a plain model; shorter prompt chunks are the price), kept
+# in at most CHECKPOINT_MEMORY of host memory over all slots. docs/guides/model-families.md.
+CHECKPOINT_EVERY = 64
+CHECKPOINT_MEMORY = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,8 @@ class EngineConfig:
     speculative: str = "off"
     draft_model: str | None = None
     draft_max: int = 15  # with its last token, 16 rows: a multiple of the CPU kernels' 4-row tile
+    checkpoint_every: int = CHECKPOINT_EVERY  # recurrent/hybrid memory: prompt tokens between checkpoints (0: ends only)
+    checkpoint_memory: int = CHECKPOINT_MEMORY  # bytes of host memory for them (0: none kept)
     embed_pack: int = EMBED_PACK_TOKENS  # tokens packed into one embedding decode
     # "priority": admission by priority (aged), preempting worse-ranked sequences for better
     # ones; "fcfs": submission order, no preemption (vLLM's --scheduling-policy). Sequences of
@@ -85,6 +93,11 @@ class EngineConfig:
         object.__setattr__(self, "lora", tuple(str(text) for text in self.lora))
         object.__setattr__(self, "rpc", parse_endpoints(self.rpc))
         object.__setattr__(self, "tensor_split", parse_tensor_split(self.tensor_split))
+        if isinstance(self.checkpoint_memory, str):
+            try:
+                object.__setattr__(self, "checkpoint_memory", parse_size(self.checkpoint_memory, zero=True))
+            except ValueError as e:
+                raise ConfigError(f"--checkpoint-memory: {e}") from None
         for problem in self._problems():
             raise ConfigError(problem)
 
@@ -147,6 +160,10 @@ class EngineConfig:
             yield f"--scheduling-policy must be 'priority' or 'fcfs', got {self.scheduling!r}"
         if self.draft_max < 1:
             yield f"--draft-max must be >= 1, got {self.draft_max}"
+        if self.checkpoint_every < 0:
+            yield f"--checkpoint-every must be >= 0 tokens (0: checkpoints only at prompt ends), got {self.checkpoint_every}"
+        if self.checkpoint_memory < 0:
+            yield f"--checkpoint-memory must be >= 0, got {self.checkpoint_memory}"
         for name in ("cache_type_k", "cache_type_v"):
             if getattr(self, name) not in CACHE_TYPES:
                 yield unknown_cache_type(name, getattr(self, name))
@@ -163,3 +180,18 @@ class EngineConfig:
             yield "--tensor-split shares offloaded layers between devices, and this engine has none: add --rpc, or drop --tensor-split"
         if self.gpu_layers < -1:
             yield f"gpu_layers must be -1 (all) or >= 0, got {self.gpu_layers}"
+
+
+def parse_size(text: str, zero: bool = False) -> int:
+    """'4GiB', '512MiB', '2GB', '1500000000' -> bytes (0 only where `zero` allows it)."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number):].lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value < 0 or (value == 0 and not zero):
+        raise ValueError(f"not a memory size: {text!r} (write e.g. 4GiB, 512MiB or 2GB)")
+    return int(value * units[unit])

@@ -7,7 +7,8 @@ That context is a cache, reconciled with each sequence's tokens when it next dra
 it holds for the slot is kept up to the first token that differs from the sequence's (rejected
 drafts, or another sequence that took the slot) and the rest is decoded. So it needs no news of
 admissions, preemptions or verifications, and a slot's cached prompt serves its next sequence in
-the draft context too. Greedy proposals are deterministic, so rejection sampling that treats
+the draft context too. A draft model whose memory cannot be cut (recurrent, hybrid) is
+checkpointed before its drafts, and goes back there to drop the rejected ones. Greedy proposals are deterministic, so rejection sampling that treats
 each draft as certain (speculation.DraftSampler) keeps a sampled sequence's distribution exact.
 """
 
@@ -20,6 +21,7 @@ from typing import Protocol
 import llama_cpp
 
 from ..errors import DecodeError, ModelError
+from .memory import Memory
 from .native import KV_FULL, Batch, Context, Model, Vocab
 from .sequence import Sequence, common_prefix
 
@@ -66,6 +68,7 @@ class DraftModel:
         except Exception:
             self.model.close()
             raise
+        self.memory = Memory(self.ctx, self.model, checkpoint_budget=0)  # a transient checkpoint per slot only
         self.batch = Batch(self.ctx.n_batch)
         self.n_vocab = min(target.n_vocab, self.model.vocab.n_vocab)  # drafts only ids the target has
         self.held: dict[int, list[int]] = {}  # seq_id -> the tokens its KV holds, from position 0
@@ -88,9 +91,9 @@ class DraftModel:
                     raise
                 for seq_id, held in list(self.held.items()):
                     if seq_id in drafting and not attempt:  # drop what the failed decodes may have stored
-                        self.ctx.remove_sequence(seq_id, from_pos=len(held))
+                        self.held[seq_id] = held[: self.memory.truncate(seq_id, len(held))]
                     else:
-                        self.ctx.remove_sequence(seq_id)
+                        self.memory.clear(seq_id)
                         del self.held[seq_id]
         return [[] for _ in sequences]
 
@@ -113,6 +116,7 @@ class DraftModel:
             self.prefill_seconds = time.perf_counter() - started
         for i, token in zip(todo, self._decode_rows(catch_up)):
             drafts[i].append(token)
+            self.memory.prepare_to_reject(sequences[i].seq_id, lengths[i])
         # Then one decode per further draft position, for the sequences that want it.
         for j in range(1, max((lengths[i] for i in todo), default=0)):
             todo = [i for i in todo if lengths[i] > j]
@@ -130,7 +134,7 @@ class DraftModel:
         held = self.held.get(seq_id, [])
         keep = min(common_prefix(held, tokens), len(tokens) - 1)
         if keep < len(held):
-            self.ctx.remove_sequence(seq_id, from_pos=keep)
+            keep = self.memory.truncate(seq_id, keep)  # recurrent memory: back to its checkpoint, or to nothing
         self.held[seq_id] = held[:keep]  # until this step's decodes succeed
         return keep
 

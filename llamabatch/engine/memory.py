@@ -1,190 +1,349 @@
-"""KV-cache memory planning: what llama.cpp will allocate, and how many sequences fit a budget.
+"""What each sequence's memory holds in the llama.cpp context, and the one place that changes it.
 
-The sizes mirror llama.cpp's own rules (llama-context.cpp, llama-kv-cache-iswa.cpp): the
-context is padded to 256 cells; a per-sequence cache gives every sequence n_ctx / n_parallel
-cells (padded); sliding-window layers keep only min(n_ctx_seq, n_swa + n_ubatch) cells per
-stream (n_swa * n_parallel + n_ubatch when unified); every cell of a layer holds K and V for
-its KV heads, each in its cache type (f16 by default; q8_0 is 34 bytes per 32 values).
+llama.cpp keeps a sequence's context in one of four kinds of memory, which differ in what can be
+undone (docs/guides/model-families.md):
+
+- attention (a KV cache): a cell per position; any tail can be removed, any prefix copied.
+- sliding window: the same, but the windowed layers keep only the last n_swa positions, so a
+  prefix stays reusable only while the window has not moved past it.
+- recurrent (Mamba, RWKV): one state per sequence, the sum of every token so far. llama.cpp refuses
+  to remove a tail (but the last few tokens of a decode, on architectures that keep rollback
+  snapshots), and a copy copies the whole state whatever range is asked.
+- hybrid (attention layers beside recurrent ones: Qwen3.5, LFM2, Granite 4 hybrid, Nemotron-H):
+  cut as its recurrent part allows.
+
+Where a cut is refused, a sequence goes back to a checkpoint: a copy of the part of its memory that
+cutting cannot restore (the recurrent state; llama.cpp's PARTIAL_ONLY), taken when it held exactly
+n positions. Restoring it puts that part back at n, after which the attention part can be cut at
+n too. With no checkpoint at or before the position asked for, the sequence is cleared and prefills
+again: memory never holds positions the engine does not know of, so no decode meets a broken one.
 """
 
 from __future__ import annotations
 
-import os
+import itertools
 from dataclasses import dataclass
-from pathlib import Path
+from enum import Enum
 
-import llama_cpp
+from ..errors import LlamabatchError
+from .native import Context, Model
+from .results import PromptScore
+from .sequence import Sequence
 
-from ..catalog import Catalog
-from ..errors import ConfigError
-from .config import unknown_cache_type
-from .native import CACHE_TYPES, Model, init_backend
-from .rpc import offloads
-
-CELL_PAD = 256
+# Host memory for the memory of sequences preempted to make way for a better priority: kept, it
+# is put back as it was (no prefill again, and greedy output exactly as unpreempted); beyond this
+# budget a preempted sequence's memory is freed and recomputed when it runs again.
+SWAP_BUDGET_BYTES = 2 << 30
 
 
-def pad(n: int) -> int:
-    return -(-n // CELL_PAD) * CELL_PAD
+class Family(Enum):
+    ATTENTION = "attention"
+    SLIDING_WINDOW = "sliding-window"
+    RECURRENT = "recurrent"
+    HYBRID = "hybrid"
+
+
+class MemoryRefused(LlamabatchError):
+    """llama.cpp refused an operation that cannot be refused (removing a whole sequence)."""
 
 
 @dataclass(frozen=True)
-class KvShape:
-    """What one KV cell costs in a model's layers, and which layers keep only a window."""
+class Capabilities:
+    """What a context's memory can do, read once from its model and context."""
 
-    full_layers: int
-    swa_layers: int
-    cell_bytes: float  # K + V of one layer for one cell (a quantized type packs values in blocks)
-    n_swa: int  # the window, in tokens (0 = no sliding-window layers)
+    family: Family
+    n_swa: int = 0  # the sliding window, in positions (0: none)
+    rollback: int = 0  # llama.cpp's recurrent rollback snapshots per sequence (n_rs_seq): 0 where none
 
     @classmethod
-    def of(cls, model: Model, cache_type_k: str = "f16", cache_type_v: str = "f16") -> KvShape:
-        h = model.handle
-        arch = model.meta("general.architecture")
-        head_default = llama_cpp.llama_model_n_embd(h) // llama_cpp.llama_model_n_head(h)
-        k = int(model.meta(f"{arch}.attention.key_length") or head_default)
-        v = int(model.meta(f"{arch}.attention.value_length") or head_default)
-        n_layer = llama_cpp.llama_model_n_layer(h)
-        # Unknown layer kinds count as full-size: an upper bound, safe for planning.
-        n_swa_layers = sum(model.swa_layers) if model.swa_layers else 0
-        return cls(
-            full_layers=n_layer - n_swa_layers, swa_layers=n_swa_layers,
-            cell_bytes=llama_cpp.llama_model_n_head_kv(h) * (k * CACHE_TYPES[cache_type_k][1] + v * CACHE_TYPES[cache_type_v][1]),
-            n_swa=llama_cpp.llama_model_n_swa(h) if n_swa_layers else 0,
-        )
+    def of(cls, model: Model, ctx: Context) -> Capabilities:
+        if model.is_recurrent:
+            family = Family.RECURRENT
+        elif model.is_hybrid:
+            family = Family.HYBRID
+        else:
+            family = Family.SLIDING_WINDOW if ctx.n_swa else Family.ATTENTION
+        return cls(family, ctx.n_swa, ctx.n_rs_seq)
 
     @property
-    def bytes_per_token(self) -> int:
-        """What each token of context costs in the full-attention layers (windows are bounded)."""
-        return round(self.full_layers * self.cell_bytes)
-
-    def cells(self, n_ctx: int, n_parallel: int, kv_unified: bool, n_ubatch: int) -> tuple[int, int]:
-        """Cells llama.cpp allocates per full-attention layer and per sliding-window layer."""
-        streams = 1 if kv_unified else n_parallel
-        n_ctx_seq = pad(n_ctx) if kv_unified else pad(pad(n_ctx) // n_parallel)
-        window = pad(min(n_ctx_seq, self.n_swa * (n_parallel if kv_unified else 1) + n_ubatch))
-        return n_ctx_seq * streams, window * streams if self.swa_layers else 0
-
-    def kv_bytes(self, n_ctx: int, n_parallel: int, kv_unified: bool, n_ubatch: int) -> int:
-        full, swa = self.cells(n_ctx, n_parallel, kv_unified, n_ubatch)
-        return round((full * self.full_layers + swa * self.swa_layers) * self.cell_bytes)
+    def can_cut(self) -> bool:
+        """Any tail of a sequence can be removed (checkpoints are needed where it cannot)."""
+        return self.family in (Family.ATTENTION, Family.SLIDING_WINDOW)
 
 
-@dataclass(frozen=True)
-class Plan:
-    """How many sequences of ctx_per_seq tokens fit a memory budget, and what each part costs."""
+@dataclass(frozen=True, eq=False)  # one checkpoint is the same one wherever it is kept
+class Checkpoint:
+    n_tokens: int  # the positions it covers: 0 .. n_tokens - 1
+    data: bytes  # llama_state_seq_get_data_ext(PARTIAL_ONLY) when the sequence held exactly those
 
-    ctx_per_seq: int
-    n_parallel: int
-    kv_unified: bool
-    model_bytes: int
-    kv_bytes: int
-    compute_bytes: int  # llama.cpp's graph buffer, estimated: the logits of one ubatch dominate
-    output_bytes: int  # one row of logits per sequence
-    process_bytes: int  # what this process used before loading the model (Python, libraries)
-    budget_bytes: int
+
+class Checkpoints:
+    """Each stream's checkpoints (sorted by position), within a byte budget over all streams. Over
+    budget, the one whose loss leaves the smallest gap in its stream goes first (never a stream's
+    newest, which a continuing conversation needs); then the newest of the least recently used
+    stream. A copied prefix shares its source's checkpoints (their bytes are counted once). A
+    transient checkpoint (one per stream: before speculative drafts, or a deterministic filler)
+    is outside the budget and lives until the next one replaces it."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.kept: dict[int, list[Checkpoint]] = {}
+        self.transient: dict[int, Checkpoint] = {}
+        self.kept_bytes = 0  # of distinct checkpoints
+        self._holders: dict[int, int] = {}  # id(checkpoint) -> how many streams keep it
+        self._used: dict[int, int] = {}  # stream -> when it last gained or gave back a checkpoint
+        self._clock = itertools.count()
 
     @property
-    def n_ctx(self) -> int:
-        return self.ctx_per_seq * self.n_parallel
+    def bytes(self) -> int:
+        return self.kept_bytes + sum(len(cp.data) for cp in self.transient.values())
 
     @property
-    def total_bytes(self) -> int:
-        return self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.process_bytes
+    def count(self) -> int:
+        return sum(len(kept) for kept in self.kept.values())
+
+    def add(self, seq_id: int, checkpoint: Checkpoint, transient: bool = False) -> None:
+        if transient:
+            self.transient[seq_id] = checkpoint
+            return
+        if len(checkpoint.data) > self.budget:
+            return
+        kept = self.kept.setdefault(seq_id, [])
+        for old in [cp for cp in kept if cp.n_tokens == checkpoint.n_tokens]:  # replaced
+            self._drop(seq_id, old)
+        self._keep(seq_id, checkpoint)
+        kept.sort(key=lambda cp: cp.n_tokens)
+        self._used[seq_id] = next(self._clock)
+        while self.kept_bytes > self.budget:
+            self._evict_one()
+
+    def best(self, seq_id: int, n: int) -> Checkpoint | None:
+        """The latest checkpoint of the stream at or before position n."""
+        candidates = [cp for cp in [*self.kept.get(seq_id, ()), self.transient.get(seq_id)] if cp and cp.n_tokens <= n]
+        if candidates:
+            self._used[seq_id] = next(self._clock)
+        return max(candidates, key=lambda cp: cp.n_tokens, default=None)
+
+    def has(self, seq_id: int, n: int) -> bool:
+        return any(cp.n_tokens == n for cp in self.kept.get(seq_id, ()))
+
+    def drop_after(self, seq_id: int, n: int) -> None:
+        """The stream's positions from n on changed: checkpoints beyond n no longer describe it."""
+        for cp in [cp for cp in self.kept.get(seq_id, ()) if cp.n_tokens > n]:
+            self._drop(seq_id, cp)
+        transient = self.transient.get(seq_id)
+        if transient is not None and transient.n_tokens > n:
+            del self.transient[seq_id]
+
+    def drop(self, seq_id: int) -> None:
+        self.drop_after(seq_id, -1)
+        self.kept.pop(seq_id, None)
+        self._used.pop(seq_id, None)
+
+    def inherit(self, src: int, dst: int, n: int) -> None:
+        """dst now holds src's first n positions: src's checkpoints up to n describe dst too."""
+        self.drop(dst)
+        self.kept[dst] = []
+        for cp in self.kept.get(src, ()):
+            if cp.n_tokens <= n:
+                self._keep(dst, cp)
+        self._used[dst] = next(self._clock)
+
+    def _keep(self, seq_id: int, cp: Checkpoint) -> None:
+        self.kept[seq_id].append(cp)
+        self._holders[id(cp)] = self._holders.get(id(cp), 0) + 1
+        if self._holders[id(cp)] == 1:
+            self.kept_bytes += len(cp.data)
+
+    def _drop(self, seq_id: int, cp: Checkpoint) -> None:
+        self.kept[seq_id].remove(cp)
+        self._holders[id(cp)] -= 1
+        if not self._holders[id(cp)]:
+            del self._holders[id(cp)]
+            self.kept_bytes -= len(cp.data)
+
+    def _evict_one(self) -> None:
+        victim: tuple[int, Checkpoint] | None = None
+        smallest_gap = None
+        for seq_id, kept in self.kept.items():
+            for i, cp in enumerate(kept[:-1]):
+                gap = kept[i + 1].n_tokens - (kept[i - 1].n_tokens if i else 0)
+                if smallest_gap is None or gap < smallest_gap:
+                    victim, smallest_gap = (seq_id, cp), gap
+        if victim is None:  # each stream keeps one: the least recently used stream's goes
+            seq_id = min((s for s, kept in self.kept.items() if kept), key=lambda s: self._used.get(s, -1))
+            victim = seq_id, self.kept[seq_id][-1]
+        self._drop(*victim)
 
 
-def plan(
-    model: Model, shape: KvShape, ctx_per_seq: int, budget_bytes: int, *,
-    kv_unified: bool = False, n_ubatch: int = 512, max_parallel: int | None = None, process_bytes: int = 0,
-) -> Plan:
-    """The largest n_parallel (at least 1) whose model, KV cache and buffers fit in budget_bytes."""
-    limit = llama_cpp.llama_max_parallel_sequences()
-    ctx_per_seq = pad(ctx_per_seq)
-    n_vocab = model.vocab.n_vocab
-    # llama.cpp's graph buffer holds one ubatch's logits plus activations that it reuses:
-    # measured 514.5 MiB for Gemma 3 270M at n_ubatch 512, 512 MiB of it logits and 2.5 MiB
-    # (2 floats of n_embd per token) the rest; 4 floats of n_embd per token leave a margin.
-    compute = 4 * n_ubatch * (n_vocab + 4 * llama_cpp.llama_model_n_embd(model.handle))
+class Memory:
+    """The sequences' memory in one context, and every change made to it.
 
-    def at(n: int) -> Plan:
-        return Plan(
-            ctx_per_seq, n, kv_unified, model.size_bytes, shape.kv_bytes(ctx_per_seq * n, n, kv_unified, n_ubatch),
-            compute, 4 * n_vocab * n, process_bytes, budget_bytes,
-        )
+    Callers say what they want a stream (a seq_id) to hold: its first n positions, a copy of
+    another's prefix. The answer is what it holds now, which may be less: the positions after it
+    must be decoded again. A refusal by llama.cpp is never ignored. The sequence-level operations
+    (resume, share, swap_out) keep each Sequence's n_past in step with its stream."""
 
-    best = at(1)
-    for n in range(2, min(limit, max_parallel or limit) + 1):
-        candidate = at(n)
-        if candidate.total_bytes > budget_bytes:
-            break
-        best = candidate
-    return best
+    def __init__(self, ctx: Context, model: Model, checkpoint_budget: int) -> None:
+        self.ctx = ctx
+        self.caps = Capabilities.of(model, ctx)
+        self.checkpoints = Checkpoints(checkpoint_budget)
+        self.swapped_bytes = 0  # memory of preempted sequences held in host memory
+        self.restored = 0  # checkpoints put back (prefix reuse, rejected drafts)
+        self.rolled_back = 0  # rejected tokens undone through llama.cpp's snapshots
 
+    @property
+    def checkpointing(self) -> bool:
+        """Prompts are checkpointed as they prefill: the memory cannot be cut, and has a budget for them."""
+        return not self.caps.can_cut and self.checkpoints.budget > 0
 
-def plan_for(
-    model: str | Path | None = None, *, catalog: str | Path | None = None, ctx_per_seq: int | None = None,
-    memory: int | None = None, kv_unified: bool = False, n_ubatch: int | None = None,
-    max_parallel: int | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
-    rpc: str | None = None, verbose: bool = False,
-) -> tuple[Plan, KvShape]:
-    """Plan a catalog model (or GGUF path): by default each sequence gets the catalog's
-    per-sequence context, and the budget is the memory available now plus what this process
-    already holds. The budget covers the whole process: Python and its libraries too."""
-    for option, value in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
-        if value is not None and value not in CACHE_TYPES:
-            raise ConfigError(unknown_cache_type(option, value))
-    spec = Catalog.load(catalog).resolve(model)
-    if memory is None and (rpc or spec.rpc) and spec.gpu_layers != 0:
-        raise ConfigError("with --rpc the KV cache lives on the remote hosts: give --memory, theirs to plan for")
-    if memory is None and offloads(spec.gpu_layers):
-        raise ConfigError("this llama.cpp offloads to a GPU: give --memory, the GPU memory to plan for")
-    init_backend(verbose)
-    process = current_rss()
-    with Model(spec.gguf_path(), gpu_layers=0) as loaded:
-        shape = KvShape.of(loaded, cache_type_k or "f16", cache_type_v or "f16")
-        result = plan(
-            loaded, shape, ctx_per_seq or spec.n_ctx // spec.parallel, memory or available_memory() + process,
-            kv_unified=kv_unified, n_ubatch=n_ubatch or spec.n_ubatch, max_parallel=max_parallel, process_bytes=process,
-        )
-    if result.total_bytes > result.budget_bytes:
-        raise ConfigError(
-            f"even one sequence of {result.ctx_per_seq} tokens needs {result.total_bytes / 2**30:.2f} GiB, "
-            f"more than the {result.budget_bytes / 2**30:.2f} GiB budget"
-        )
-    return result, shape
+    # -- sequences ------------------------------------------------------------------------
 
+    def resume(self, seq: Sequence) -> None:
+        """A sequence just admitted to its slot: a preempted one gets the memory it had swapped out
+        (or starts over, if it no longer fits); any other keeps what the memory allows of the
+        prefix the scheduler matched in the slot's cache (seq.n_past): all of it, or up to a
+        checkpoint. Where the prompt parts from the cached one, a checkpoint will be taken."""
+        if seq.swapped is not None:
+            held = self.restore(seq.seq_id, seq.swapped)
+            self.drop_swap(seq)
+            if held == seq.n_past:
+                return
+            self.clear(seq.seq_id)
+            seq.n_past, seq.scored = 0, PromptScore()
+        matched = seq.n_past
+        seq.n_past = self.truncate(seq.seq_id, matched)
+        if seq.n_past < matched and self.checkpointing:
+            seq.checkpoint_at = matched  # where prompts part ways: the next one alike stops here too
+        seq.n_cached = min(seq.n_past, seq.n_prompt)
 
-def current_rss() -> int:
-    """This process's resident memory now (0 where /proc is missing)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
+    def share(self, leader: Sequence, follower: Sequence) -> int:
+        """The follower gets the leader's first follower.n_shared positions (or as many as the
+        memory gives: recurrent state is copied whole, exact only when the leader holds exactly
+        those). Returns the prompt tokens it gained."""
+        got = self.copy(leader.seq_id, follower.seq_id, follower.n_shared)
+        gained = max(0, min(got, follower.n_prompt) - follower.n_cached)
+        follower.n_past, follower.n_cached = got, min(got, follower.n_prompt)
+        return gained
+
+    def swap_out(self, seq: Sequence) -> None:
+        """A preempted sequence's memory, to host memory where SWAP_BUDGET_BYTES holds it (resume
+        puts it back), then freed."""
+        if seq.n_past and self.swapped_bytes < SWAP_BUDGET_BYTES:
+            saved = self.save(seq.seq_id)
+            if self.swapped_bytes + len(saved) <= SWAP_BUDGET_BYTES:
+                seq.swapped = saved
+                self.swapped_bytes += len(saved)
+        self.clear(seq.seq_id)
+
+    def drop_swap(self, seq: Sequence) -> None:
+        if seq.swapped is not None:
+            self.swapped_bytes -= len(seq.swapped)
+            seq.swapped = None
+
+    # -- streams --------------------------------------------------------------------------
+
+    def held(self, seq_id: int) -> int:
+        """Positions the stream holds (0 .. held - 1)."""
+        return self.ctx.seq_pos_max(seq_id) + 1
+
+    def clear(self, seq_id: int) -> None:
+        if not self.ctx.seq_rm(seq_id):
+            raise MemoryRefused(f"llama.cpp refused to free sequence {seq_id}'s memory")
+        self.checkpoints.drop(seq_id)
+
+    def truncate(self, seq_id: int, n: int) -> int:
+        """Keep the stream's first n positions, or as many as a checkpoint allows (then fewer,
+        maybe none). Returns how many it keeps."""
+        held = self.held(seq_id)
+        if n >= held:
+            return held
+        if n <= 0:
+            self.clear(seq_id)
+            return 0
+        if self.caps.can_cut:
+            return self._cut(seq_id, n)
+        return self._rewind(seq_id, n)
+
+    def reject(self, seq_id: int, n: int, decoded: int) -> int:
+        """Undo the last tokens the stream's latest decode brought (`decoded` of them: rejected
+        drafts, or a deterministic filler), keeping n positions. Recurrent memory rolls back
+        through llama.cpp's snapshots when they reach (they hold only that decode's tokens), else
+        through the checkpoint taken before it (prepare_to_reject). Returns the positions kept."""
+        held = self.held(seq_id)
+        if n >= held:
+            return held
+        if not self.caps.can_cut and held - n < decoded and held - n <= self.caps.rollback and n > 0:
+            if self.ctx.seq_rm(seq_id, n):
+                self.checkpoints.drop_after(seq_id, n)
+                self.rolled_back += 1
+                return n
+        return self.truncate(seq_id, n)
+
+    def prepare_to_reject(self, seq_id: int, n_tokens: int) -> None:
+        """Before a decode whose last n_tokens of this stream may be undone: where neither a cut
+        nor the snapshots can undo them, a transient checkpoint of what the stream holds now."""
+        if self.caps.can_cut or n_tokens <= self.caps.rollback or self.held(seq_id) == 0:
+            return
+        self.checkpoint(seq_id, transient=True)
+
+    def copy(self, src: int, dst: int, n: int) -> int:
+        """Give dst src's first n positions (or fewer: returns how many it got)."""
+        self.clear(dst)
+        if n <= 0:
+            return 0
+        if self.ctx.kv_unified:
+            self.ctx.seq_cp(src, dst, 0, n)  # shared cells: only which sequences own them changes
+        else:
+            self.ctx.seq_cp(src, dst)  # per-sequence buffers are copied whole (llama.cpp copies no part)
+        if not self.caps.can_cut:
+            self.checkpoints.inherit(src, dst, n)
+        got = self.held(dst)
+        if got <= n:  # recurrent state is copied whole: exact when src held exactly n
+            return got
+        return self._cut(dst, n) if self.caps.can_cut else self._rewind(dst, n)
+
+    def checkpoint(self, seq_id: int, transient: bool = False) -> None:
+        """Keep what the stream holds now (its recurrent part) to come back to."""
+        n = self.held(seq_id)
+        if n == 0 or (not transient and self.checkpoints.has(seq_id, n)):
+            return
+        data = self.ctx.state(seq_id, partial=True)
+        if data:  # llama.cpp wrote nothing: nothing to come back to
+            self.checkpoints.add(seq_id, Checkpoint(n, data), transient)
+
+    def save(self, seq_id: int) -> bytes:
+        """All of a stream's memory (to swap a preempted sequence out to host memory)."""
+        return self.ctx.state(seq_id)
+
+    def restore(self, seq_id: int, data: bytes) -> int:
+        """Put a save() back into an empty stream; returns the positions it holds (0: it did not fit)."""
+        self.clear(seq_id)
+        if self.ctx.set_state(seq_id, data):
+            return self.held(seq_id)
+        self.clear(seq_id)  # whatever part did go in
         return 0
 
+    def _cut(self, seq_id: int, n: int) -> int:
+        if self.caps.family is Family.SLIDING_WINDOW and not self._window_reaches(seq_id, n):
+            self.clear(seq_id)
+            return 0
+        if not self.ctx.seq_rm(seq_id, n):
+            raise MemoryRefused(f"llama.cpp refused to cut sequence {seq_id} at position {n} ({self.caps.family.value} memory)")
+        return n
 
-def available_memory() -> int:
-    """Memory this process can use now: MemAvailable on Linux, else all physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    def _window_reaches(self, seq_id: int, n: int) -> bool:
+        """Whether the windowed layers still hold the positions a token at n attends to."""
+        return 0 <= self.ctx.seq_pos_min(seq_id) <= max(0, n - self.caps.n_swa)
 
-
-def parse_size(text: str) -> int:
-    """'4GiB', '512MiB', '2GB', '1500000000' -> bytes."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    number = text.strip().rstrip("BbIiKkMmGgTt")
-    unit = text.strip()[len(number):].lower()
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value <= 0:
-        raise ValueError(f"not a memory size: {text!r} (write e.g. 4GiB, 512MiB or 2GB)")
-    return int(value * units[unit])
+    def _rewind(self, seq_id: int, n: int) -> int:
+        """Back to the latest checkpoint at or before n (its recurrent part put back, then the
+        attention part cut there), or to nothing."""
+        checkpoint = self.checkpoints.best(seq_id, n)
+        if checkpoint is not None and self.ctx.set_state(seq_id, checkpoint.data, partial=True):
+            if self.ctx.seq_rm(seq_id, checkpoint.n_tokens) and self.held(seq_id) == checkpoint.n_tokens:
+                self.checkpoints.drop_after(seq_id, checkpoint.n_tokens)
+                self.restored += 1
+                return checkpoint.n_tokens
+        self.clear(seq_id)
+        return 0

@@ -26,21 +26,36 @@ _backend_ready = False
 # set it before anything is decoded.
 _decoded = False
 KV_FULL = 1  # llama_decode's "no free KV slot" (DecodeError.code)
+INVALID_BATCH = -1  # llama_decode refused the batch before computing anything (positions, ids, ...)
+GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_CONT = 3, 5  # ggml_log_level (ERROR is 4)
+MAX_KEPT_WARNINGS = 64  # log pieces: a decode's complaint is a few lines
 
 
 class _LogRouter:
-    """llama.cpp logs through one process-wide callback: echoed to stderr when verbose, and
-    recorded while a caller captures it (the loader and the context report sizes only there)."""
+    """llama.cpp logs through one process-wide callback: echoed to stderr when verbose, recorded
+    while a caller captures it (the loader and the context report sizes only there), and its
+    errors and warnings kept, so that a failed call can say what llama.cpp said about it."""
 
     def __init__(self) -> None:
         self.verbose = False
         self.captured: list[str] | None = None
+        self.warnings: list[str] = []  # text of the latest WARN/ERROR messages (and their continuations)
+        self._warning = False  # the last message was one: a continuation (CONT) belongs to it
 
-    def write(self, text: str) -> None:
+    def write(self, level: int, text: str) -> None:
         if self.verbose:
             sys.stderr.write(text)
         if self.captured is not None:
             self.captured.append(text)
+        if level != GGML_LOG_LEVEL_CONT:
+            self._warning = level >= GGML_LOG_LEVEL_WARN
+        if self._warning:
+            self.warnings.append(text)
+            del self.warnings[:-MAX_KEPT_WARNINGS]
+
+    def said_since(self, mark: int) -> str:
+        """What llama.cpp warned about since `mark` (len(warnings) then), as one line."""
+        return " ".join(" ".join(self.warnings[mark:]).split())
 
     @contextmanager
     def capture(self) -> Iterator[list[str]]:
@@ -59,7 +74,7 @@ _log = _LogRouter()
 
 @llama_cpp.llama_log_callback
 def _on_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    _log.write(text.decode(errors="replace"))
+    _log.write(level, text.decode(errors="replace"))
 
 
 def use_row_invariant_matmul() -> None:
@@ -267,6 +282,16 @@ class Model(_Owner):
     def n_ctx_train(self) -> int:
         return llama_cpp.llama_model_n_ctx_train(self.handle)
 
+    @property
+    def is_recurrent(self) -> bool:
+        """Mamba, RWKV and their kin: one state per sequence instead of a cache of positions."""
+        return bool(llama_cpp.llama_model_is_recurrent(self.handle))
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Attention layers beside recurrent ones (Qwen3.5, LFM2, Granite 4 hybrid, Nemotron-H)."""
+        return bool(llama_cpp.llama_model_is_hybrid(self.handle))
+
     def chat_template_text(self, fallback: str | None = None) -> str | None:
         """The GGUF's own chat template (Jinja text), else the name of the llama.cpp built-in used."""
         template = llama_cpp.llama_model_chat_template(self.handle, None)
@@ -332,10 +357,12 @@ class Context(_Owner):
     def __init__(
         self, model: Model, *, n_ctx: int, n_batch: int, n_ubatch: int, n_seq_max: int,
         n_threads: int, kv_unified: bool, pooling: int | None = None,
-        cache_type_k: str = "f16", cache_type_v: str = "f16", flash_attn: str = "auto",
+        cache_type_k: str = "f16", cache_type_v: str = "f16", flash_attn: str = "auto", n_rs_seq: int = 0,
     ) -> None:
         """`pooling` (a llama_pooling_type) makes an embedding context: every row is an output,
-        and each sequence's pooled vector is read with embedding()."""
+        and each sequence's pooled vector is read with embedding(). `n_rs_seq` asks recurrent
+        layers to keep the states after each of a decode's last n_rs_seq tokens, so those tokens
+        can be removed again (llama.cpp keeps them only for architectures that support it)."""
         params = llama_cpp.llama_context_default_params()
         params.type_k, params.type_v = CACHE_TYPES[cache_type_k][0], CACHE_TYPES[cache_type_v][0]
         params.flash_attn_type = FLASH_ATTN[flash_attn]
@@ -346,6 +373,7 @@ class Context(_Owner):
         params.n_threads = params.n_threads_batch = n_threads
         params.kv_unified = kv_unified
         params.swa_full = False  # as llama.cpp's own tools: sliding-window layers keep only their window
+        params.n_rs_seq = n_rs_seq
         params.no_perf = True
         if pooling is not None:
             params.embeddings = True
@@ -372,9 +400,12 @@ class Context(_Owner):
         self.n_batch = llama_cpp.llama_n_batch(handle)  # llama.cpp caps it at n_ctx
         self.kv_unified = kv_unified
         self.n_swa = llama_cpp.llama_model_n_swa(model.handle)
+        self.n_rs_seq = llama_cpp.llama_n_rs_seq(handle)  # what llama.cpp granted (0 where unsupported)
         self._logits_views: dict[tuple[int, int], np.ndarray] = {}
-        # The bytes llama.cpp allocated for the KV cache (all its caches), as it reports them.
-        self.kv_bytes = round(sum(float(m[1]) for m in re.finditer(r"KV buffer size = +([\d.]+) MiB", "\n".join(log))) * 2**20)
+        # The bytes llama.cpp allocated for the KV cache (all its caches, and recurrent layers'
+        # states) and the layers the KV cache holds (a hybrid model's attention layers), as it reports them.
+        self.kv_bytes = round(sum(float(m[1]) for m in re.finditer(r"(?:KV|RS) buffer size = +([\d.]+) MiB", text)) * 2**20)
+        self.kv_layers = sum(int(m[1]) for m in re.finditer(r"llama_kv_cache: size = .*cells, +(\d+) layers", text))
 
     def _free(self, handle) -> None:
         llama_cpp.llama_free(handle)
@@ -389,9 +420,10 @@ class Context(_Owner):
     def decode(self, batch: Batch) -> None:
         global _decoded
         _decoded = True
+        mark = len(_log.warnings)
         code = _awaiting_backends(llama_cpp.llama_decode, self.handle, batch.struct)
         if code != 0:
-            raise DecodeError(code)
+            raise DecodeError(code, _log.said_since(mark) or None)
 
     def output_logits(self, n_outputs: int, n_vocab: int) -> np.ndarray:
         """The last decode's logits, one row per batch row that asked for them, in batch order
@@ -424,39 +456,40 @@ class Context(_Owner):
         if self._memory:  # encoder-only models keep no cache
             llama_cpp.llama_memory_clear(self._memory, True)
 
-    def remove_sequence(self, seq_id: int, from_pos: int = 0) -> None:
-        """Free a sequence's KV cells at positions >= from_pos (all of them by default)."""
-        llama_cpp.llama_memory_seq_rm(self._memory, seq_id, from_pos, -1)
+    # -- a sequence's memory: the primitives; engine.memory decides how to use them ----------
 
-    def copy_prefix(self, src: int, dst: int, n_tokens: int) -> None:
-        """Make dst's KV the first n_tokens positions of src's (src must hold exactly those when the
-        cache is per-sequence: llama.cpp copies only whole per-sequence buffers)."""
-        if self.kv_unified:  # shared cells: only their sequence sets change
-            self.remove_sequence(dst)
-            llama_cpp.llama_memory_seq_cp(self._memory, src, dst, 0, n_tokens)
-        else:
-            llama_cpp.llama_memory_seq_cp(self._memory, src, dst, -1, -1)
-            self.remove_sequence(dst, from_pos=n_tokens)
+    def seq_rm(self, seq_id: int, from_pos: int = 0) -> bool:
+        """Remove a sequence's positions >= from_pos (all by default). False when the memory
+        refuses: recurrent state cannot lose a tail (beyond llama.cpp's rollback snapshots)."""
+        return bool(llama_cpp.llama_memory_seq_rm(self._memory, seq_id, from_pos, -1))
 
-    def save_sequence(self, seq_id: int) -> bytes:
-        """A copy of a sequence's KV cells (and their positions), to put back with restore_sequence."""
-        size = llama_cpp.llama_state_seq_get_size(self.handle, seq_id)
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Give dst src's positions [p0, p1) (recurrent state: all of it, whatever the range)."""
+        llama_cpp.llama_memory_seq_cp(self._memory, src, dst, p0, p1)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """The sequence's smallest position in memory (-1: none)."""
+        return llama_cpp.llama_memory_seq_pos_min(self._memory, seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """The sequence's largest position in memory (-1: none)."""
+        return llama_cpp.llama_memory_seq_pos_max(self._memory, seq_id)
+
+    def state(self, seq_id: int, partial: bool = False) -> bytes:
+        """A copy of a sequence's memory; `partial`: only what a KV cache cannot recompute by
+        cutting (recurrent state, sliding-window cells), llama.cpp's PARTIAL_ONLY."""
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+        size = llama_cpp.llama_state_seq_get_size_ext(self.handle, seq_id, flags)
         buffer = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self.handle, buffer, size, seq_id)
-        return bytes(buffer[:written])
+        written = llama_cpp.llama_state_seq_get_data_ext(self.handle, buffer, size, seq_id, flags)
+        return ctypes.string_at(buffer, written)  # one copy (slicing a ctypes array makes a list of ints)
 
-    def restore_sequence(self, seq_id: int, data: bytes) -> bool:
-        """Put saved KV cells into seq_id (which must hold none); False when they do not fit."""
+    def set_state(self, seq_id: int, data: bytes, partial: bool = False) -> bool:
+        """Put a copy made by state() back into seq_id (replacing what that part held); False when
+        it does not fit."""
+        flags = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
         buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        return llama_cpp.llama_state_seq_set_data(self.handle, buffer, len(data), seq_id) == len(data)
-
-    def reusable(self, seq_id: int, n_tokens: int) -> int:
-        """How many of seq's first n_tokens cached positions can be continued from: all, or none when
-        sliding-window layers have already dropped cells the next tokens would attend to."""
-        if n_tokens == 0 or self.n_swa == 0:
-            return n_tokens
-        pos_min = llama_cpp.llama_memory_seq_pos_min(self._memory, seq_id)
-        return n_tokens if 0 <= pos_min <= max(0, n_tokens - self.n_swa) else 0
+        return llama_cpp.llama_state_seq_set_data_ext(self.handle, buffer, len(data), seq_id, flags) == len(data)
 
 
 class Batch(_Owner):

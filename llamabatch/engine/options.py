@@ -11,7 +11,8 @@ from pathlib import Path
 from ..catalog import Catalog
 from ..errors import ConfigError
 from .config import EngineConfig
-from .memory import parse_size, plan_for
+from .config import parse_size
+from .planning import plan_for
 
 AUTO = "auto"
 
@@ -36,6 +37,8 @@ class EngineOptions:
     speculative: str | None = None
     draft_model: str | None = None
     draft_max: int | None = None
+    checkpoint_every: int | None = None
+    checkpoint_memory: str | None = None  # a size: 512MiB, 1GiB, 0
     embed_pack: int | None = None
     scheduling_policy: str | None = None
     lora: list[str] | None = None  # PATH[:SCALE] or a catalog adapter's NAME[:SCALE], each
@@ -66,7 +69,8 @@ class EngineOptions:
             model=self.model, catalog=self.config, n_parallel=n_parallel, n_ctx=n_ctx, n_batch=self.batch_size,
             n_ubatch=self.ubatch_size, n_threads=self.threads, gpu_layers=self.gpu_layers, kv_unified=self.kv_unified,
             share_prefixes=self.share_prefixes, deterministic=self.deterministic, speculative=self.speculative,
-            draft_model=self.draft_model, draft_max=self.draft_max, embed_pack=self.embed_pack,
+            draft_model=self.draft_model, draft_max=self.draft_max, checkpoint_every=self.checkpoint_every,
+            checkpoint_memory=self.checkpoint_memory, embed_pack=self.embed_pack,
             scheduling=self.scheduling_policy, lora=self.lora, cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v, flash_attn=self.flash_attn, rpc=self.rpc, tensor_split=self.tensor_split,
             rpc_timeout=self.rpc_timeout, chat=self.chat, verbose=self.verbose,
@@ -100,8 +104,16 @@ class EngineOptions:
             self.model, catalog=self.config, ctx_per_seq=self.ctx_per_seq, memory=memory_budget(self.memory), kv_unified=kv_unified,
             n_ubatch=self.ubatch_size, max_parallel=n_sequences, cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v, rpc=self.rpc, verbose=self.verbose,
+            checkpoint_memory=None if self.checkpoint_memory is None else checkpoint_budget(self.checkpoint_memory),
         )
         return planned.n_parallel, planned.n_ctx
+
+
+def checkpoint_budget(text: str) -> int:
+    try:
+        return parse_size(text, zero=True)
+    except ValueError as e:
+        raise ConfigError(f"--checkpoint-memory: {e}") from None
 
 
 def memory_budget(text: str | None) -> int | None:

@@ -83,6 +83,7 @@ class Result:
     finish_reason: str  # "stop", "length", "error" or "cancelled"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens not decoded: their memory came from a cache (OpenAI's cached_tokens)
     timings: Timings | None = None  # None when the prompt was rejected
     error: str | None = None
 
@@ -100,7 +101,8 @@ class RunStats:
     sequence_slots: int = 0  # sum over decode calls of the sequences in the batch
     preemptions: int = 0  # sequences sent back to the queue because the KV cache was full
     priority_preemptions: int = 0  # sequences that made way for a better priority (KV swapped out where it fit)
-    failed_steps: int = 0  # steps that failed, failing the sequences they carried
+    failed_steps: int = 0  # steps that decoded nothing, failing the sequences they carried
+    failed_decodes: int = 0  # llama_decode calls that failed (not for a full KV cache): retried in halves
     incomplete_structured: int = 0  # constrained outputs cut (max_tokens, context) before their constraint was complete
     prompt_tokens_reused: int = 0  # prompt tokens whose KV came from another sequence or a slot's cache
     draft_tokens: int = 0  # speculative tokens verified
@@ -142,6 +144,7 @@ class RunStats:
             "preemptions": self.preemptions,
             "priority_preemptions": self.priority_preemptions,
             "failed_steps": self.failed_steps,
+            "failed_decodes": self.failed_decodes,
             "incomplete_structured": self.incomplete_structured,
             "draft_tokens": self.draft_tokens,
             "adapter_switches": self.adapter_switches,

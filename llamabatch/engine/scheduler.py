@@ -125,6 +125,7 @@ class Scheduler:
     def __init__(
         self, n_slots: int, n_batch: int, share_prefixes: bool = True, batch_invariant: bool = False, n_streams: int = 0,
         lone_row_max_cells: int = LONE_ROW_MAX_CELLS, max_outputs: int | None = None, policy: str = "priority",
+        checkpoint_every: int | None = None,
     ) -> None:
         if n_batch < n_slots:
             raise ValueError(f"n_batch ({n_batch}) must be at least the number of slots ({n_slots})")
@@ -140,6 +141,11 @@ class Scheduler:
         self.n_streams = max(n_streams, n_slots)  # KV streams (seq_ids) the context has
         self.lone_row_max_cells = lone_row_max_cells
         self._prefilled_since_decode = 0  # prompt tokens; deterministic mode
+        # Memory that cannot be cut (recurrent, hybrid) is only reusable where a checkpoint was
+        # taken, and a checkpoint only where a decode ends: prompt chunks end every
+        # checkpoint_every positions (0: only at the prompt's end and at a parting point); None:
+        # the memory can be cut anywhere, no checkpoints.
+        self.checkpoint_every = checkpoint_every
         self.policy = policy
         self.waiting = WaitingQueue(policy)
         self.running: list[Sequence] = []
@@ -211,7 +217,7 @@ class Scheduler:
             n = self._fit_outputs(seq, min(seq.n_pending, budget, cap - seq.n_past if cap else budget), outputs)
             if n == 0:
                 continue
-            seq.n_chunk = n
+            seq.n_chunk = self._stop_at_checkpoint(seq, n)
             budget -= n
             outputs += len(seq.scored_rows(seq.n_past, n)) + 1
             scheduled.append(seq)
@@ -243,13 +249,27 @@ class Scheduler:
         mixed step, decoders wait for at most n_batch prompt tokens between their steps."""
         if prefilling and (not generating or self._prefilled_since_decode < self.n_batch):
             seq = prefilling[0]
-            seq.n_chunk = max(1, self._fit_outputs(seq, min(seq.n_pending, self.n_batch), 0))
+            seq.n_chunk = self._stop_at_checkpoint(seq, max(1, self._fit_outputs(seq, min(seq.n_pending, self.n_batch), 0)))
             self._prefilled_since_decode += seq.n_chunk
             return [seq]
         self._prefilled_since_decode = 0
         for seq in generating:
             seq.n_chunk = 1
         return sorted(generating, key=_by_seq_id)
+
+    def _stop_at_checkpoint(self, seq: Sequence, n: int) -> int:
+        """A prompt chunk of up to n tokens, ended at the next checkpoint position of its prompt
+        when memory needs checkpoints; seq.checkpoint_after says whether it ends at one."""
+        seq.checkpoint_after = False
+        if self.checkpoint_every is None or seq.n_past >= seq.n_prompt:
+            return n
+        stops = [seq.n_prompt, seq.checkpoint_at if seq.checkpoint_at > seq.n_past else seq.n_prompt]
+        if self.checkpoint_every:
+            stops.append((seq.n_past // self.checkpoint_every + 1) * self.checkpoint_every)
+        stop = min(stops)
+        if seq.n_past + n >= stop:
+            n, seq.checkpoint_after = stop - seq.n_past, True
+        return n
 
     def fillers(self, rows: list[Sequence]) -> list[Filler]:
         """Deterministic mode: a filler beside each one-token row whose sequence holds more than

@@ -48,6 +48,11 @@ class Sequence:
     seq_id: int = -1  # llama.cpp sequence id while RUNNING
     n_past: int = 0  # tokens already in the KV cache
     n_chunk: int = 0  # tokens the scheduler put in the current batch
+    n_cached: int = 0  # prompt tokens whose memory came from a cache or another sequence, not decoded
+    # Memory that cannot be cut (recurrent, hybrid) is checkpointed after the chunk the scheduler
+    # marks; checkpoint_at is one more place to stop: where its prompt parted from a cached one.
+    checkpoint_after: bool = False
+    checkpoint_at: int = -1
     i_batch: int = -1  # batch row whose logits we sample from this step, or -1
     sample: int = 0  # which of the prompt's n samples
     uid: int = -1  # unique within its engine
@@ -90,11 +95,6 @@ class Sequence:
     def n_pending(self) -> int:
         """Tokens not yet in the KV cache: the rest of the prompt, or the last sampled token."""
         return len(self.tokens) - self.n_past
-
-    @property
-    def is_prefilling(self) -> bool:
-        """More than one token to catch up on: a prompt, or a preempted sequence's history."""
-        return self.n_pending > 1
 
     @property
     def incomplete(self) -> bool:
@@ -143,6 +143,7 @@ class Sequence:
             finish_reason=self.finish_reason or "error",
             prompt_tokens=self.n_prompt,
             completion_tokens=self.n_generated,
+            cached_tokens=self.n_cached,
             timings=timings,
             error=self.error,
         )

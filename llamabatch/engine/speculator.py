@@ -45,12 +45,15 @@ class Speculator:
         has beside the decode rows) holds: the sequences that got one (None when there was
         nothing to plan)."""
         # Not beside a prompt: its rows make the step long anyway, and would hide what drafting
-        # costs from the planner (and a draft model's cost from it altogether).
-        if any(s.is_prefilling or s.leader is not None for s in generating):
+        # costs from the planner (and a draft model's cost from it altogether). A sequence that
+        # decodes again the tokens its memory lost to a rejection (recurrent memory, back at its
+        # checkpoint) is no prompt: it skips drafting for that step, the others draft.
+        if any(s.n_past < s.n_prompt or s.leader is not None for s in generating):
             return None
         if any(s.adapters != generating[0].adapters for s in generating):
             return None  # the step will decode one adapter set's sequences: drafts only when all share one
-        eligible = [s for s in generating if s.matcher is None and (isinstance(s.sampler, GreedySampler) or s.params.verifiable)]
+        eligible = [s for s in generating if s.n_pending == 1 and s.matcher is None
+                    and (isinstance(s.sampler, GreedySampler) or s.params.verifiable)]
         if not eligible:
             return None
         for seq in eligible:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..engine import BatchEngine, EngineConfig, SamplingParams, Sequence
 from ..errors import LlamabatchError
-from ..engine.memory import KvShape
+from ..engine.planning import KvShape
 
 
 @dataclass(frozen=True)

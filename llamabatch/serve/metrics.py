@@ -29,6 +29,15 @@ class Metrics:
         self.finished = Counter("llamabatch_requests_finished", "Requests answered in full", registry=r)
         self.failed = Counter("llamabatch_requests_failed", "Requests refused, cancelled or timed out", registry=r)
         self.prompt_tokens = Counter("llamabatch_prompt_tokens", "Prompt tokens of finished sequences", registry=r)
+        self.cached_tokens = Counter(
+            "llamabatch_prompt_tokens_cached", "Prompt tokens of finished sequences taken from a cache, not decoded", registry=r,
+        )
+        # Recurrent and hybrid models: the state checkpoints that let a prefix be reused (engine.memory).
+        self.checkpoint_bytes = Gauge("llamabatch_checkpoint_bytes", "Host memory held by state checkpoints", registry=r)
+        self.checkpoints = Gauge("llamabatch_checkpoints", "State checkpoints kept", registry=r)
+        self.checkpoint_restores = Gauge(
+            "llamabatch_checkpoint_restores", "Sequences put back to a checkpoint (a reused prefix, rejected drafts)", registry=r,
+        )
         self.generated_tokens = Counter("llamabatch_generated_tokens", "Tokens sampled", ["class"], registry=r)
         # Speculative decoding, read from the engine's counters when scraped.
         self.drafted = Gauge("llamabatch_draft_tokens", "Speculative tokens verified", registry=r)
@@ -61,6 +70,10 @@ class Metrics:
         self.preempted.set_function(lambda: stats().priority_preemptions if stats() else 0)
         self.accepted.set_function(lambda: stats().draft_accepted if stats() else 0)
         self.adapter_switches.set_function(lambda: stats().adapter_switches if stats() else 0)
+        memory = lambda: worker.engine.memory if worker.engine else None  # noqa: E731
+        self.checkpoint_bytes.set_function(lambda: memory().checkpoints.bytes if memory() else 0)
+        self.checkpoints.set_function(lambda: memory().checkpoints.count if memory() else 0)
+        self.checkpoint_restores.set_function(lambda: memory().restored if memory() else 0)
         self.registry.register(_EngineInfo(worker))
         self.tokens_per_decode.set_function(
             lambda: stats().completion_tokens / stats().decode_calls if stats() and stats().decode_calls else 0
@@ -83,6 +96,7 @@ class Metrics:
 
     def _on_finish(self, seq: Sequence) -> None:
         self.prompt_tokens.inc(seq.n_prompt)
+        self.cached_tokens.inc(seq.n_cached)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -103,5 +117,6 @@ class _EngineInfo(Collector):
         yield InfoMetricFamily("llamabatch_engine", "The loaded engine's settings", value={
             "model": engine.model_name, "cache_type_k": k, "cache_type_v": v, "flash_attn": engine.ctx.flash_attn,
             "parallel": str(engine.config.n_parallel), "adapters": ",".join(a.name for a in engine.adapters.info),
-            "rpc": ",".join(engine.config.rpc),
+            "rpc": ",".join(engine.config.rpc), "memory": engine.memory.caps.family.value,
+            "checkpoint_memory": str(engine.config.checkpoint_memory if not engine.memory.caps.can_cut else 0),
         })
