@@ -27,7 +27,9 @@ import openai
 from .harness import progress, tiny_model
 from .servers import Server, llamabatch_serve
 
-SMOKE = ["--model", "tiny", "--parallel", "2", "--batch-requests", "400", "--batch-tokens", "8", "--interactive-tokens", "4",
+# The batch must outlast the phases (about 5 s; it is cancelled after them): 400 x 1,024 tokens,
+# where the tiny model decodes 15,000 tokens/s on 2 slots on a fast machine (400 x 8 ended early).
+SMOKE = ["--model", "tiny", "--parallel", "2", "--batch-requests", "400", "--batch-tokens", "1024", "--interactive-tokens", "4",
          "--interval", "0.2", "--phase", "1", "--warmup", "0.2"]
 
 SUBJECTS = ["the sea", "bread", "trains", "owls", "glass", "chess", "rain", "copper", "maps", "tea", "kites", "bees"]
@@ -96,9 +98,14 @@ def start_batch(base: str, args) -> str:
 
 
 def cancel_batch(base: str, batch_id: str) -> dict:
+    """Cancel the batch the phases ran beside; it must still be running, or some phase ran with
+    no batch beside it and its figures mean nothing."""
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
-    if client.batches.retrieve(batch_id).status in ("validating", "in_progress"):  # else it has ended already
-        client.batches.cancel(batch_id)
+    status = client.batches.retrieve(batch_id).status
+    if status not in ("validating", "in_progress"):
+        raise RuntimeError(f"the batch ended ({status}) before the measured phases did: give it more --batch-requests "
+                           "or --batch-tokens")
+    client.batches.cancel(batch_id)
     while (batch := client.batches.retrieve(batch_id)).status == "cancelling":
         time.sleep(0.1)
     return batch.request_counts.model_dump()
