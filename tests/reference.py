@@ -110,3 +110,42 @@ def batch_seq_ids(batch) -> list[int]:
     """Each row's seq_id in an engine's batch, as llama.cpp reads it (through the row's pointer)."""
     rows = batch.handle.seq_id
     return [rows[i][0] for i in range(batch.n_tokens)]
+
+
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
+
+
+def reference_distribution(logits: np.ndarray, top_k: int, top_p: float, min_p: float, temperature: float) -> dict[int, float]:
+    """llama.cpp's own samplers (top-k, top-p, min-p, temperature, in its order) applied to a row of
+    logits, without the draw: each token left, and its probability."""
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    try:
+        for sampler in (llama_cpp.llama_sampler_init_top_k(top_k), llama_cpp.llama_sampler_init_top_p(top_p, 1),
+                        llama_cpp.llama_sampler_init_min_p(min_p, 1), llama_cpp.llama_sampler_init_temp(temperature)):
+            llama_cpp.llama_sampler_chain_add(chain, sampler)
+        cells = np.zeros(len(logits), dtype=_TOKEN_DATA)
+        cells["id"], cells["logit"] = np.arange(len(logits), dtype=np.int32), logits
+        array = llama_cpp.llama_token_data_array(cells.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), len(cells), -1, False)
+        llama_cpp.llama_sampler_apply(chain, ctypes.byref(array))
+        kept = cells[: array.size]
+        weights = np.exp(kept["logit"].astype(np.float64) - kept["logit"].max())
+        return dict(zip(kept["id"].tolist(), (weights / weights.sum()).tolist()))
+    finally:
+        llama_cpp.llama_sampler_free(chain)
+
+
+def reference_penalties(logits: np.ndarray, tokens: list[int], last_n: int, repeat: float, frequency: float, presence: float) -> np.ndarray:
+    """llama.cpp's penalties sampler, having accepted `tokens`, applied to a row of logits."""
+    sampler = llama_cpp.llama_sampler_init_penalties(len(logits), last_n, repeat, frequency, presence)
+    try:
+        for token in tokens:
+            llama_cpp.llama_sampler_accept(sampler, token)
+        cells = np.zeros(len(logits), dtype=_TOKEN_DATA)
+        cells["id"], cells["logit"] = np.arange(len(logits), dtype=np.int32), logits
+        array = llama_cpp.llama_token_data_array(cells.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), len(cells), -1, False)
+        llama_cpp.llama_sampler_apply(sampler, ctypes.byref(array))
+        out = np.empty(len(logits), dtype=np.float32)
+        out[cells["id"][: array.size]] = cells["logit"][: array.size]
+        return out
+    finally:
+        llama_cpp.llama_sampler_free(sampler)

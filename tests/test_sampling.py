@@ -1,8 +1,14 @@
+from collections import Counter
+
+import numpy as np
 import pytest
+import scipy.stats
 
 from llamabatch import SamplingError, SamplingParams
-from llamabatch.engine.native import SamplerChain
-from llamabatch.engine.sampling import GreedySampler, build_sampler
+from llamabatch.engine.sampling import GreedySampler, RowSampler, build_sampler
+from llamabatch.engine.truncation import Scratch, distribution
+
+from reference import reference_distribution, reference_penalties
 
 
 @pytest.mark.parametrize(
@@ -33,18 +39,99 @@ def test_stop_list_becomes_a_tuple():
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
 
 
-def test_plain_greedy_needs_no_native_chain():
-    assert isinstance(build_sampler(SamplingParams(temperature=0), n_vocab=300, n_ctx=256), GreedySampler)
+def test_plain_greedy_is_the_steps_argmax_and_the_rest_draw_on_their_own():
+    assert isinstance(build_sampler(SamplingParams(temperature=0), n_ctx=256), GreedySampler)
+    for params in (SamplingParams(temperature=0, repeat_penalty=1.1), SamplingParams(), SamplingParams(top_k=0, top_p=1, min_p=0)):
+        assert isinstance(build_sampler(params, n_ctx=256), RowSampler)
 
 
-@pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temperature=0, repeat_penalty=1.1), SamplingParams(),
-     SamplingParams(repeat_penalty=1.3, top_k=0, top_p=1, min_p=0)],
-)
-def test_every_other_configuration_builds_a_native_chain(params):
-    chain = build_sampler(params, n_vocab=300, n_ctx=256)
-    assert isinstance(chain, SamplerChain) and not chain.closed
-    chain.close()
-    chain.close()  # a second close is a no-op
-    assert chain.closed
+# Rows of logits as models give them: peaked (a small model sure of its next token), flat (a
+# random-weight model: thousands of tokens in the nucleus), and Gemma-sized (262,144 tokens).
+ROWS = {
+    "peaked": lambda rng: (rng.standard_normal(32_000) * 4).astype(np.float32),
+    "flat": lambda rng: (rng.standard_normal(32_000) * 0.5).astype(np.float32),
+    "gemma-sized": lambda rng: (rng.standard_normal(262_144) * 3).astype(np.float32),
+}
+TRUNCATIONS = [  # (top_k, top_p, min_p, temperature)
+    (0, 0.95, 0.0, 0.8),  # what an OpenAI client sends
+    (40, 0.95, 0.05, 0.8),  # llamabatch's defaults
+    (0, 1.0, 0.0, 1.0),  # the whole vocabulary
+    (0, 0.5, 0.1, 1.3), (100, 1.0, 0.0, 0.7), (0, 0.999, 0.0, 1.0), (5, 0.1, 0.0, 0.5),
+]
+
+
+def exact_candidates(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> list[int]:
+    """The truncation's definition computed plainly: the vocabulary sorted, float64 sums."""
+    order = [int(t) for t in np.argsort(-logits.astype(np.float64), kind="stable")]
+    if 0 < top_k < len(order):
+        order = order[:top_k]
+    if top_p < 1:
+        weights = np.exp(logits[order].astype(np.float64) - logits[order[0]])
+        running = np.cumsum(weights / weights.sum())
+        order = order[: int(np.searchsorted(running, top_p, side="left")) + 1]
+    if min_p > 0:
+        order = [t for t in order if logits[t] >= logits[order[0]] + np.log(np.float32(min_p))]
+    return order
+
+
+@pytest.mark.parametrize("shape", list(ROWS))
+@pytest.mark.parametrize("top_k, top_p, min_p, temperature", TRUNCATIONS)
+def test_the_distribution_is_the_truncations_and_llama_cpps(shape, top_k, top_p, min_p, temperature):
+    """The tokens kept are the truncation's own (the vocabulary sorted, sums in float64), with the
+    probabilities llama.cpp's samplers give them. llama.cpp keeps the same ranking but may end a
+    nucleus a few tokens apart: its sums are float32, which drift over many small terms (on Gemma
+    3's own rows at top_p 0.95: 1 to 21 edge tokens in 58% of them, 0.03% of the probability in
+    the median; here, on a flat row of 262,144 tokens at top_p 0.999, thousands of 1e-6 each)."""
+    rng = np.random.default_rng(hash((shape, top_k, top_p)) % 2**32)
+    for _ in range(3):
+        logits = ROWS[shape](rng)
+        params = SamplingParams(top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
+        ids, probs = distribution(logits, params)
+        exact = exact_candidates(logits, top_k, top_p, min_p)
+        if len(exact) < len(logits):  # truncated: the truncation's own tokens, most likely first
+            n = min(len(ids), len(exact))
+            assert ids[:n].tolist() == exact[:n]
+            assert abs(len(ids) - len(exact)) <= 1  # float32 exp's last bit
+        else:
+            assert len(ids) >= 0.999 * len(logits)  # all but those a float32 exp cannot weigh
+        theirs = reference_distribution(logits, top_k, top_p, min_p, temperature)
+        ours = dict(zip(ids.tolist(), probs.tolist()))
+        common = [t for t in ids.tolist() if t in theirs]
+        rank = np.empty(len(logits), dtype=np.int64)
+        rank[np.argsort(-logits.astype(np.float64), kind="stable")] = np.arange(len(logits))
+        assert all(rank[t] >= len(common) for t in set(theirs) - set(common))  # they part only at the edge
+        assert len(common) >= 0.95 * len(theirs)
+        mine, llamas = np.array([ours[t] for t in common]), np.array([theirs[t] for t in common])
+        assert np.allclose(mine / mine.sum(), llamas / llamas.sum(), rtol=1e-3, atol=1e-9)
+
+
+def test_draws_follow_the_distribution_and_a_seed_repeats_them():
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal(5_000) * 2).astype(np.float32)
+    params = SamplingParams(top_k=0, top_p=0.9, min_p=0.0, temperature=0.7, seed=11)
+    ids, probs = distribution(logits, params)
+    sampler, scratch = RowSampler(params, n_ctx=256), Scratch(len(logits))
+    draws = [sampler.sample(logits, [], scratch) for _ in range(20_000)]
+    counts = Counter(draws)
+    assert set(counts) <= set(ids.tolist())
+    likely = [(i, p) for i, p in zip(ids.tolist(), probs.tolist()) if p * len(draws) >= 20]  # chi-square's cells
+    observed = np.array([counts[i] for i, _ in likely] + [len(draws) - sum(counts[i] for i, _ in likely)])
+    expected = np.array([p for _, p in likely] + [1 - sum(p for _, p in likely)]) * len(draws)
+    assert scipy.stats.chisquare(observed, expected).pvalue > 1e-3
+    again = RowSampler(params, n_ctx=256)
+    assert [again.sample(logits, [], scratch) for _ in range(200)] == draws[:200]
+
+
+def test_penalties_and_logit_bias_are_llama_cpps():
+    rng = np.random.default_rng(9)
+    logits = rng.standard_normal(2_000).astype(np.float32)
+    tokens = rng.integers(0, 2_000, 300).tolist()
+    params = SamplingParams(temperature=0, repeat_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.2,
+                            penalty_last_n=64, logit_bias={7: 5.0, 1999: -100.0})
+    adjusted = RowSampler(params, n_ctx=256)._adjusted(logits, tokens, np.empty_like(logits))
+    expected = reference_penalties(logits, tokens, 64, 1.3, 0.4, -0.2)
+    expected[7] += 5.0
+    expected[1999] -= 100.0
+    assert np.allclose(adjusted, expected, atol=1e-5)
+    assert RowSampler(params, n_ctx=256).sample(logits, tokens, Scratch(len(logits))) == int(expected.argmax())
+    assert np.array_equal(logits, rng.__class__(rng.bit_generator.__class__(9)).standard_normal(2_000).astype(np.float32))  # the row is left as it was

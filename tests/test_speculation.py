@@ -155,7 +155,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     p = [np.array(row) for row in ([0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.6, 0.1], [0.25, 0.25, 0.25, 0.25])]
     rows = np.log(np.vstack(p)).astype(np.float32)
     draft = [1, 2]  # row 0 gives it 0.3, row 1 gives it 0.6
-    sampler = DraftSampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7))
+    sampler = DraftSampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), np.random.default_rng(7))
     firsts, seconds, thirds = Counter(), Counter(), Counter()
     n = 20_000
     for _ in range(n):

@@ -28,6 +28,7 @@ from .sequence import Sequence, Status
 from .rows import lay_out
 from .scoring import scored_prompts, total_score
 from .speculator import Speculator
+from .truncation import Scratch
 
 # Logits a step may ask for when prompts are scored (each row is a vocabulary of floats): 256
 # rows of Gemma 3's 262,144, or every row of a batch for a small vocabulary.
@@ -115,6 +116,7 @@ class BatchEngine:
             undo.pop_all()  # loaded: close() frees them from now on
         self.vocab = self.model.vocab
         self.batch = Batch(self.ctx.n_batch)
+        self._scratch = Scratch(self.vocab.n_vocab)  # buffers sampled rows reuse
         # Float weights go through llamafile's sgemm from 2 rows and ggml's vec_dot for 1, which
         # round differently: every lone row then gets a filler, one that asks for logits too, so
         # the output layer never multiplies a single row either. (Quantized weights measured the
@@ -209,12 +211,8 @@ class BatchEngine:
         return sequences
 
     def _new_sequence(self, index: int, sample: int, prompt: str, tokens: list[int], params: SamplingParams) -> Sequence:
-        sampler = build_sampler(params, self.vocab.n_vocab, self.ctx.n_ctx_seq)
-        seq = Sequence(index, prompt, params, list(tokens), len(tokens), sampler=sampler, sample=sample, uid=next(self._uids))
-        if params.uses_penalties:
-            for token in tokens:  # penalties look back over the prompt too, as llama.cpp's server does
-                seq.sampler.accept(token)
-        return seq
+        sampler = build_sampler(params, self.ctx.n_ctx_seq)  # penalties look back over the prompt too, as llama.cpp's server does
+        return Sequence(index, prompt, params, list(tokens), len(tokens), sampler=sampler, sample=sample, uid=next(self._uids))
 
     def submit(
         self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
@@ -548,7 +546,7 @@ class BatchEngine:
 
     def _sample(self, due: list[Sequence], logits: np.ndarray | None, events: list[Event]) -> None:
         """Each due sequence's next token from its row of this step's logits: greedy ones from one
-        argmax over all rows, the others through their own sampler chains; constrained ones after
+        argmax over all rows, the others by their own samplers (sampling.RowSampler); constrained ones after
         their rows are masked. A sequence that asked for no tokens (max_tokens 0: its prompt was
         only scored) ends here. Each event joins `events` as it happens."""
         if not due:
@@ -573,7 +571,7 @@ class BatchEngine:
         if seq.matcher is not None and r in shared:
             token = self._sample_masked_copy(seq, logits[r])
         else:
-            token = int(best[r]) if isinstance(seq.sampler, GreedySampler) else seq.sampler.sample(self.ctx, seq.i_batch)
+            token = int(best[r]) if isinstance(seq.sampler, GreedySampler) else seq.sampler.sample(logits[r], seq.tokens, self._scratch)
         if seq.params.logprobs is not None:  # the model's own distribution, before any mask
             seq.logprobs.append(token_logprob(raw.get(seq.uid, logits[r]), token, seq.params.logprobs))
         return [self._accept(seq, token)]
@@ -616,7 +614,7 @@ class BatchEngine:
         original = row.copy()
         self.grammars.mask_rows([seq.matcher], [row])
         try:
-            return int(row.argmax()) if isinstance(seq.sampler, GreedySampler) else seq.sampler.sample(self.ctx, seq.i_batch)
+            return int(row.argmax()) if isinstance(seq.sampler, GreedySampler) else seq.sampler.sample(row, seq.tokens, self._scratch)
         finally:
             row[:] = original
 

@@ -1,4 +1,4 @@
-"""Owners of llama.cpp's native handles: model, context, batch and sampler chain.
+"""Owners of llama.cpp's native handles: model, context, batch and LoRA adapter.
 
 Each class holds one handle and frees it exactly once in close() (or on leaving a
 `with` block); __del__ is only a backstop. The vocabulary is borrowed from its model.
@@ -538,42 +538,3 @@ class Batch(_Owner):
             self.seq_id[:n] = seq_ids
             self.logits[:n] = logits
         self.n_tokens, self.n_outputs = n, logits.count(1)
-
-
-_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
-
-
-class SamplerChain(_Owner):
-    """A llama.cpp sampler chain; samplers added to it become the chain's to free."""
-
-    kind = "sampler chain"
-
-    def __init__(self) -> None:
-        super().__init__(llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params()))
-
-    def _free(self, handle) -> None:
-        llama_cpp.llama_sampler_free(handle)
-
-    def add(self, sampler) -> None:
-        llama_cpp.llama_sampler_chain_add(self.handle, sampler)
-
-    def accept(self, token: int) -> None:
-        llama_cpp.llama_sampler_accept(self.handle, token)
-
-    def sample(self, ctx: Context, row: int) -> int:
-        """Sample from the logits of batch row `row`, and record the token in the chain."""
-        return llama_cpp.llama_sampler_sample(self.handle, ctx.handle, row)
-
-    def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The chain applied to a row of logits (a chain without a draw): the candidate token
-        ids that remain and their probabilities, as the chain's samplers leave them."""
-        cells = np.zeros(len(logits), dtype=_TOKEN_DATA)
-        cells["id"] = np.arange(len(logits), dtype=np.int32)
-        cells["logit"] = logits
-        array = llama_cpp.llama_token_data_array(
-            cells.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), len(cells), -1, False
-        )
-        llama_cpp.llama_sampler_apply(self.handle, ctypes.byref(array))
-        kept = cells[: array.size]
-        weights = np.exp(kept["logit"].astype(np.float64) - kept["logit"].max())
-        return kept["id"].copy(), weights / weights.sum()

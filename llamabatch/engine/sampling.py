@@ -1,17 +1,16 @@
-"""Per-sequence sampling parameters, and the llama.cpp sampler chain built from them."""
+"""Per-sequence sampling parameters, and the samplers that draw with them."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
 
-import llama_cpp
 import numpy as np
 
 from ..errors import SamplingError
 from .adapters import adapter_set
-from .native import SamplerChain
 from .results import PromptScore, TokenLogprob
+from .truncation import Scratch, draw
 
 MAX_SEED = 2**32 - 2  # 2**32 - 1 is llama.cpp's "pick a random seed"
 MAX_SAMPLES = 1024
@@ -146,55 +145,55 @@ def _schema_text(schema: str | dict) -> str:
 
 class GreedySampler:
     """Greedy sampling without penalties, done by the engine: one argmax over every such row of
-    a step's logits. Same choice as llama.cpp's greedy sampler (the first highest logit), and far
-    cheaper: a chain copies every logit into a candidate array first, which for a 262k-token
-    vocabulary costs ~0.5 ms per sequence per step."""
+    a step's logits. Same choice as llama.cpp's greedy sampler (the first highest logit)."""
 
     def close(self) -> None:
         pass  # owns nothing native
 
 
-def build_sampler(params: SamplingParams, n_vocab: int, n_ctx: int) -> GreedySampler | SamplerChain:
-    """Plain greedy gets an argmax; anything else the chain llama.cpp's own tools use: logit
-    bias, penalties, then truncation, temperature, and a seeded draw."""
-    if params.plain_greedy:
-        return GreedySampler()
-    chain = SamplerChain()
-    if params.logit_bias is not None:  # its ids were checked against the vocabulary (BatchEngine.add)
-        biases = (llama_cpp.llama_logit_bias * len(params.logit_bias))(*params.logit_bias)  # copied by llama.cpp
-        chain.add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
-    if params.uses_penalties:
-        # The native sampler reads -1 as 0 (off); "whole context" is ours to spell out.
-        last_n = n_ctx if params.penalty_last_n == -1 else params.penalty_last_n
-        chain.add(llama_cpp.llama_sampler_init_penalties(
-            n_vocab, last_n, params.repeat_penalty,
-            params.frequency_penalty, params.presence_penalty,
-        ))
-    if params.temperature == 0:
-        chain.add(llama_cpp.llama_sampler_init_greedy())
-        return chain
-    _add_truncation(chain, params)
-    seed = llama_cpp.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
-    chain.add(llama_cpp.llama_sampler_init_dist(seed))
-    return chain
+class RowSampler:
+    """Every other sequence's draw, from its row of a step's logits: llama.cpp's sampler chain in
+    llama.cpp's order (logit bias, penalties over the last penalty_last_n tokens, prompt included,
+    then top-k, top-p, min-p, temperature and a seeded draw), with the truncation found without a
+    sort of the vocabulary (truncation.py). Its own generator draws, so a seed reproduces the same
+    tokens whatever else is in the batch; they are not the tokens llama.cpp's generator draws."""
+
+    def __init__(self, params: SamplingParams, n_ctx: int) -> None:
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)  # None: fresh entropy
+        self.bias = np.array(params.logit_bias or (), dtype=np.float64).reshape(-1, 2)
+        self.last_n = n_ctx if params.penalty_last_n == -1 else params.penalty_last_n
+        self.penalised = params.uses_penalties and self.last_n > 0
+
+    def sample(self, logits: np.ndarray, tokens: list[int], scratch: Scratch) -> int:
+        """The next token after `tokens` (the prompt and what was generated) from this row."""
+        if len(self.bias) or self.penalised:
+            logits = self._adjusted(logits, tokens, scratch.row)
+        if self.params.temperature == 0:  # greedy after the bias and penalties
+            return int(logits.argmax())
+        return draw(logits, self.params, self.rng.random(), scratch)
+
+    def _adjusted(self, logits: np.ndarray, tokens: list[int], out: np.ndarray) -> np.ndarray:
+        """The row with the bias and penalties, in `out`: the step's row stays as it was (log-
+        probabilities are reported from it, and followers may sample from it too)."""
+        np.copyto(out, logits)
+        if len(self.bias):
+            np.add.at(out, self.bias[:, 0].astype(np.int64), self.bias[:, 1].astype(np.float32))
+        if self.penalised:
+            seen, counts = np.unique(np.asarray(tokens[-self.last_n :], dtype=np.int64), return_counts=True)
+            p = self.params
+            values = out[seen]
+            values = np.where(values <= 0, values * p.repeat_penalty, values / p.repeat_penalty)
+            out[seen] = values - (counts * p.frequency_penalty + p.presence_penalty).astype(np.float32)
+        return out
+
+    def close(self) -> None:
+        pass  # owns nothing native
 
 
-def build_truncation(params: SamplingParams) -> SamplerChain:
-    """build_sampler's chain without penalties and the draw: what turns a row of logits into the
-    distribution a sampled sequence draws from (verifying speculative drafts needs it whole)."""
-    chain = SamplerChain()
-    _add_truncation(chain, params)
-    return chain
-
-
-def _add_truncation(chain: SamplerChain, params: SamplingParams) -> None:
-    if params.top_k > 0:
-        chain.add(llama_cpp.llama_sampler_init_top_k(params.top_k))
-    if params.top_p < 1:
-        chain.add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
-    if params.min_p > 0:
-        chain.add(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
-    chain.add(llama_cpp.llama_sampler_init_temp(params.temperature))
+def build_sampler(params: SamplingParams, n_ctx: int) -> GreedySampler | RowSampler:
+    """Plain greedy gets the step's one argmax; anything else its own RowSampler."""
+    return GreedySampler() if params.plain_greedy else RowSampler(params, n_ctx)
 
 
 def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:

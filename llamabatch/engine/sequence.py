@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .adapters import BASE, AdapterSet
-from .native import SamplerChain
 from .results import PromptScore, Result, Timings, TokenLogprob
-from .sampling import GreedySampler, SamplingParams
+from .sampling import GreedySampler, RowSampler, SamplingParams
 from .speculation import DraftSampler, DraftState
 from .text import TextStream
 
@@ -42,7 +41,7 @@ class Sequence:
     params: SamplingParams
     tokens: list[int]  # prompt token ids, then generated ones
     n_prompt: int
-    sampler: GreedySampler | SamplerChain | None = None
+    sampler: GreedySampler | RowSampler | None = None
     text: TextStream = field(init=False)
     status: Status = Status.WAITING
     seq_id: int = -1  # llama.cpp sequence id while RUNNING

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sampling import SamplingParams, build_truncation
+from .sampling import SamplingParams
+from .truncation import distribution
 
 NGRAM_SIZES = (4, 3, 2)  # longest match first: a longer context predicts better
 PRIOR_ACCEPTANCE = 0.8  # the acceptance rate before any verification: optimistic, so drafts get tried
@@ -180,17 +181,19 @@ class DraftSampler:
     distribution of sampling them one step at a time: a draft token d (proposed with certainty)
     is kept with probability p(d); at the first one refused, the token is drawn from p with d
     taken out; when all are kept, one more is drawn from the last row. p is what the sequence's
-    own truncation and temperature leave (llama.cpp's samplers, applied without the draw).
-    Its own seeded generator draws, so a seed gives other tokens than without speculation."""
+    own truncation and temperature leave (truncation.distribution, as its own draws use). It
+    draws from the sequence's own generator (two generators of one seed would draw the same
+    numbers, and a draft's test would follow the token before it), so a seed gives other tokens
+    than without speculation."""
 
-    def __init__(self, params: SamplingParams) -> None:
-        self.truncation = build_truncation(params)
-        self.rng = np.random.default_rng(params.seed)
+    def __init__(self, params: SamplingParams, rng: np.random.Generator) -> None:
+        self.params = params
+        self.rng = rng
 
     def verify(self, rows: np.ndarray, draft: list[int]) -> tuple[list[int], int]:
         """(the tokens to accept, how many of them are drafts); rows[j] predicts draft[j]."""
         for j, proposed in enumerate(draft):
-            ids, probs = self.truncation.distribution(rows[j])
+            ids, probs = distribution(rows[j], self.params)
             at = np.flatnonzero(ids == proposed)
             p = float(probs[at[0]]) if at.size else 0.0
             if self.rng.random() < p:
@@ -198,8 +201,8 @@ class DraftSampler:
             probs = probs.copy()
             probs[at] = 0.0  # the residual max(p - q, 0), q putting all its mass on the draft
             return draft[:j] + [int(self.rng.choice(ids, p=probs / probs.sum()))], j
-        ids, probs = self.truncation.distribution(rows[len(draft)])
+        ids, probs = distribution(rows[len(draft)], self.params)
         return draft + [int(self.rng.choice(ids, p=probs))], len(draft)
 
     def close(self) -> None:
-        self.truncation.close()
+        pass  # owns nothing native

@@ -90,7 +90,7 @@ class Speculator:
             picks = picks[: n_ok + 1]
         else:
             if seq.draft_sampler is None:
-                seq.draft_sampler = DraftSampler(seq.params)
+                seq.draft_sampler = DraftSampler(seq.params, seq.sampler.rng)  # sampled: a RowSampler
             picks, n_ok = seq.draft_sampler.verify(rows, draft)
         self.planner.record(seq.drafting, k, n_ok)  # acceptance rates, which plan the next drafts
         return picks, n_ok
