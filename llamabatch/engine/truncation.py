@@ -127,8 +127,7 @@ def _nucleus(logits: np.ndarray, best: np.float32, ids: np.ndarray | None, top_p
         weights = np.exp(logits[ids] - best).astype(np.float64)
         running = np.cumsum(weights) / weights.sum()
         return ids[: min(int(np.searchsorted(running, top_p, side="left")), len(ids) - 1) + 1]
-    weights = np.subtract(logits, best, out=scratch.values)
-    np.exp(np.maximum(weights, -_EXP_RANGE, out=weights), out=weights)
+    weights = np.exp(np.subtract(logits, best, out=scratch.values), out=scratch.values)  # untempered: no underflow to fear
     total = weights.sum(dtype=np.float64)
     for band in (*_BANDS, np.inf):
         top = _above(logits, best - band, scratch)
