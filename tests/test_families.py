@@ -267,18 +267,26 @@ COPY = "the quick brown fox jumps over the lazy dog while the small cat sleeps "
 SPECULATED = [f"Copy the text.\nText: {COPY * 3}\nCopy: {COPY[: 12 + 9 * i]}" for i in range(4)]
 
 
+def with_and_without_drafts(model: Path, params: SamplingParams, draft_len: int, **speculation) -> tuple:
+    """SPECULATED's runs without speculation, then with it (draft_len tokens a step wherever there
+    are drafts, paying or not: this is about verifying them), and the speculating engine (closed,
+    its counters kept)."""
+    with engine_on(model, n_parallel=2) as engine:
+        expected = drain(engine, engine.submit(SPECULATED, params))
+    with engine_on(model, n_parallel=2, **speculation) as engine:
+        engine.speculator.planner.plan = lambda n_rows, states: [draft_len] * len(states)
+        got = drain(engine, engine.submit(SPECULATED, params))
+    return expected, got, engine
+
+
 def test_ngram_drafts_are_rolled_back_through_snapshots_or_checkpoints(family):
     """Prompt-lookup drafts, verified in the step's one decode; rejected ones are undone through
     llama.cpp's rollback snapshots (LFM2, Qwen3.5) or the checkpoint taken before the drafts
     (Mamba2, Granite), whose kept tokens are decoded again: the output is speculation's absence's."""
     name, model = family
     params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, logprobs=2)
-    with engine_on(model, n_parallel=2) as engine:
-        expected = drain(engine, engine.submit(SPECULATED, params))
-    with engine_on(model, n_parallel=2, speculative="ngram") as engine:
-        engine.speculator.planner.plan = lambda n_rows, states: [6] * len(states)  # draft whenever there is a match
-        got = drain(engine, engine.submit(SPECULATED, params))
-        stats, memory = engine.stats, engine.memory
+    expected, got, engine = with_and_without_drafts(model, params, 6, speculative="ngram")
+    stats, memory = engine.stats, engine.memory
     assert stats.draft_tokens > stats.draft_accepted  # drafts rejected
     assert memory.rolled_back > 0 if ROLLBACK[name] else memory.restored > len(SPECULATED)  # beyond the prompts' reuse
     assert_same_runs(got, expected)
@@ -290,12 +298,8 @@ def test_drafts_of_a_near_copy_are_partly_accepted_and_the_rest_undone(family, t
     name, model = family
     draft = write_tiny_family(tmp_path / "draft.gguf", name, perturb=0.3)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
-    with engine_on(model, n_parallel=2) as engine:
-        expected = drain(engine, engine.submit(SPECULATED, params))
-    with engine_on(model, n_parallel=2, draft_model=draft) as engine:
-        engine.speculator.planner.plan = lambda n_rows, states: [5] * len(states)
-        got = drain(engine, engine.submit(SPECULATED, params))
-        stats, memory, drafter = engine.stats, engine.memory, engine.speculator.drafter
+    expected, got, engine = with_and_without_drafts(model, params, 5, draft_model=draft)
+    stats, memory, drafter = engine.stats, engine.memory, engine.speculator.drafter
     assert stats.draft_tokens > stats.draft_accepted > 0
     assert drafter.memory.restored > 0  # the draft context back at its checkpoint before its rejected drafts
     assert memory.rolled_back > 0 if ROLLBACK[name] else memory.restored > len(SPECULATED)
@@ -309,16 +313,12 @@ def test_a_draft_model_of_another_family(family, tiny_model, target_is_plain):
     _, model = family
     target, draft = (tiny_model, model) if target_is_plain else (model, tiny_model)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
-    with engine_on(target, n_parallel=2) as engine:
-        expected = drain(engine, engine.submit(SPECULATED, params))
-    with engine_on(target, n_parallel=2, draft_model=draft) as engine:
-        engine.speculator.planner.plan = lambda n_rows, states: [5] * len(states)
-        got = drain(engine, engine.submit(SPECULATED, params))
-        assert engine.stats.draft_tokens > 0
-        if not target_is_plain:
-            assert engine.speculator.drafter.memory.restored == 0  # the plain draft model cuts its cache
-        else:
-            assert engine.speculator.drafter.memory.restored > 0
+    expected, got, engine = with_and_without_drafts(target, params, 5, draft_model=draft)
+    assert engine.stats.draft_tokens > 0
+    if not target_is_plain:
+        assert engine.speculator.drafter.memory.restored == 0  # the plain draft model cuts its cache
+    else:
+        assert engine.speculator.drafter.memory.restored > 0
     if target_is_plain:  # F32 llama: a row's arithmetic does not depend on its batch
         assert [generated(s) for s in got] == [generated(s) for s in expected]
     else:
@@ -351,13 +351,15 @@ def test_scores_at_one_slot_and_in_chunks_match_scores_alone(family):
 
 
 @pytest.mark.fresh_process
-def test_deterministic_mode_with_a_prompt_prefilled_in_chunks_beside_a_decoder(family):
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_deterministic_mode_with_a_prompt_prefilled_in_chunks_beside_a_decoder(family, temperature):
     """A short prompt decodes while a long one prefills in 64-token chunks: every lone decode row
     gets a filler token in a neighbouring stream, the long prompt's; the filler is taken out again
     through a checkpoint (the long prompt's state cannot lose a token), and both outputs are the
-    ones they get alone, bit for bit."""
+    ones they get alone, bit for bit, greedy and sampled (top-p, no top-k, a seed)."""
     _, model = family
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=temperature, top_k=0, top_p=0.95, min_p=0, seed=5, max_tokens=40, ignore_eos=True,
+                            logprobs=1)
     prompts = ["hello world", "the capital of France is Paris and the quick brown fox " * 8]
     solo = alone(model, prompts, params, deterministic=True, n_batch=64)
     with engine_on(model, n_parallel=2, n_ctx=2048, deterministic=True, n_batch=64) as engine:

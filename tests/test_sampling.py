@@ -86,7 +86,7 @@ def test_the_distribution_is_the_truncations_and_llama_cpps(shape, top_k, top_p,
     for _ in range(3):
         logits = ROWS[shape](rng)
         params = SamplingParams(top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
-        ids, probs = distribution(logits, params)
+        ids, probs = distribution(logits, params, Scratch(len(logits)))
         exact = exact_candidates(logits, top_k, top_p, min_p)
         if len(exact) < len(logits):  # truncated: the truncation's own tokens, most likely first
             n = min(len(ids), len(exact))
@@ -109,7 +109,7 @@ def test_draws_follow_the_distribution_and_a_seed_repeats_them():
     rng = np.random.default_rng(5)
     logits = (rng.standard_normal(5_000) * 2).astype(np.float32)
     params = SamplingParams(top_k=0, top_p=0.9, min_p=0.0, temperature=0.7, seed=11)
-    ids, probs = distribution(logits, params)
+    ids, probs = distribution(logits, params, Scratch(len(logits)))
     sampler, scratch = RowSampler(params, n_ctx=256), Scratch(len(logits))
     draws = [sampler.sample(logits, [], scratch) for _ in range(20_000)]
     counts = Counter(draws)

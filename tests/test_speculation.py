@@ -13,6 +13,7 @@ import scipy.stats
 
 from llamabatch import BatchEngine, ConfigError, ModelError, SamplingParams
 from llamabatch.engine.speculation import DraftPlanner, DraftSampler, DraftState, NgramIndex, draft_length
+from llamabatch.engine.truncation import Scratch
 
 from tiny_model import WORD_PIECES, write_tiny_model
 
@@ -156,10 +157,11 @@ def test_rejection_sampling_keeps_the_target_distribution():
     rows = np.log(np.vstack(p)).astype(np.float32)
     draft = [1, 2]  # row 0 gives it 0.3, row 1 gives it 0.6
     sampler = DraftSampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), np.random.default_rng(7))
+    scratch = Scratch(4)
     firsts, seconds, thirds = Counter(), Counter(), Counter()
     n = 20_000
     for _ in range(n):
-        tokens, kept = sampler.verify(rows, draft)
+        tokens, kept = sampler.verify(rows, draft, scratch)
         firsts[tokens[0]] += 1
         if tokens[0] == draft[0]:
             seconds[tokens[1]] += 1

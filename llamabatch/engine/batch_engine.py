@@ -582,7 +582,8 @@ class BatchEngine:
         where a step each would have."""
         k = len(seq.draft)
         first = self._output_row[seq.chunk_row]
-        picks, n_ok = self.speculator.verify(seq, None if best is None else best[first : first + k + 1], logits[first : first + k + 1])
+        picks, n_ok = self.speculator.verify(seq, None if best is None else best[first : first + k + 1], logits[first : first + k + 1],
+                                             self._scratch)
         seq.draft = []
         seq.n_past -= k - n_ok  # the decode took all k + 1 tokens in; the rejected ones go
         if n_ok < k:

@@ -161,13 +161,15 @@ class RowSampler:
     def __init__(self, params: SamplingParams, n_ctx: int) -> None:
         self.params = params
         self.rng = np.random.default_rng(params.seed)  # None: fresh entropy
-        self.bias = np.array(params.logit_bias or (), dtype=np.float64).reshape(-1, 2)
+        bias = params.logit_bias or ()
+        self.bias_ids = np.array([t for t, _ in bias], dtype=np.int64)
+        self.bias_values = np.array([b for _, b in bias], dtype=np.float32)
         self.last_n = n_ctx if params.penalty_last_n == -1 else params.penalty_last_n
         self.penalised = params.uses_penalties and self.last_n > 0
 
     def sample(self, logits: np.ndarray, tokens: list[int], scratch: Scratch) -> int:
         """The next token after `tokens` (the prompt and what was generated) from this row."""
-        if len(self.bias) or self.penalised:
+        if len(self.bias_ids) or self.penalised:
             logits = self._adjusted(logits, tokens, scratch.row)
         if self.params.temperature == 0:  # greedy after the bias and penalties
             return int(logits.argmax())
@@ -177,8 +179,7 @@ class RowSampler:
         """The row with the bias and penalties, in `out`: the step's row stays as it was (log-
         probabilities are reported from it, and followers may sample from it too)."""
         np.copyto(out, logits)
-        if len(self.bias):
-            np.add.at(out, self.bias[:, 0].astype(np.int64), self.bias[:, 1].astype(np.float32))
+        out[self.bias_ids] += self.bias_values  # the ids are distinct (params keep one bias a token)
         if self.penalised:
             seen, counts = np.unique(np.asarray(tokens[-self.last_n :], dtype=np.int64), return_counts=True)
             p = self.params

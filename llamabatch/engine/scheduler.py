@@ -263,10 +263,11 @@ class Scheduler:
         seq.checkpoint_after = False
         if self.checkpoint_every is None or seq.n_past >= seq.n_prompt:
             return n
-        stops = [seq.n_prompt, seq.checkpoint_at if seq.checkpoint_at > seq.n_past else seq.n_prompt]
+        stop = seq.n_prompt
+        if seq.checkpoint_at > seq.n_past:
+            stop = min(stop, seq.checkpoint_at)
         if self.checkpoint_every:
-            stops.append((seq.n_past // self.checkpoint_every + 1) * self.checkpoint_every)
-        stop = min(stops)
+            stop = min(stop, (seq.n_past // self.checkpoint_every + 1) * self.checkpoint_every)
         if seq.n_past + n >= stop:
             n, seq.checkpoint_after = stop - seq.n_past, True
         return n

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .sampling import SamplingParams
-from .truncation import distribution
+from .truncation import Scratch, distribution
 
 NGRAM_SIZES = (4, 3, 2)  # longest match first: a longer context predicts better
 PRIOR_ACCEPTANCE = 0.8  # the acceptance rate before any verification: optimistic, so drafts get tried
@@ -190,10 +190,10 @@ class DraftSampler:
         self.params = params
         self.rng = rng
 
-    def verify(self, rows: np.ndarray, draft: list[int]) -> tuple[list[int], int]:
+    def verify(self, rows: np.ndarray, draft: list[int], scratch: Scratch) -> tuple[list[int], int]:
         """(the tokens to accept, how many of them are drafts); rows[j] predicts draft[j]."""
         for j, proposed in enumerate(draft):
-            ids, probs = distribution(rows[j], self.params)
+            ids, probs = distribution(rows[j], self.params, scratch)
             at = np.flatnonzero(ids == proposed)
             p = float(probs[at[0]]) if at.size else 0.0
             if self.rng.random() < p:
@@ -201,7 +201,7 @@ class DraftSampler:
             probs = probs.copy()
             probs[at] = 0.0  # the residual max(p - q, 0), q putting all its mass on the draft
             return draft[:j] + [int(self.rng.choice(ids, p=probs / probs.sum()))], j
-        ids, probs = distribution(rows[len(draft)], self.params)
+        ids, probs = distribution(rows[len(draft)], self.params, scratch)
         return draft + [int(self.rng.choice(ids, p=probs))], len(draft)
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from .native import Vocab
 from .sampling import GreedySampler
 from .sequence import Sequence
 from .speculation import DraftPlanner, DraftSampler
+from .truncation import Scratch
 
 # CPU matrix kernels take a batch's rows four at a time, and the rest by a slower path: with
 # Gemma 3 270M Q4_K_M on this project's CPU, one decode of 7 rows took 61 ms and of 8 rows 43 ms
@@ -75,7 +76,7 @@ class Speculator:
             seq.draft = draft
         return [seq for seq in eligible if seq.draft]
 
-    def verify(self, seq: Sequence, best: np.ndarray | None, rows: np.ndarray) -> tuple[list[int], int]:
+    def verify(self, seq: Sequence, best: np.ndarray | None, rows: np.ndarray, scratch: Scratch) -> tuple[list[int], int]:
         """The tokens a sequence keeps from its drafts, whose logits are `rows` (its last token's
         row, then one per draft): the drafts up to the first the model refuses, then the model's
         own token there (greedy: those its argmax `best` agrees with; sampled: by rejection
@@ -91,7 +92,7 @@ class Speculator:
         else:
             if seq.draft_sampler is None:
                 seq.draft_sampler = DraftSampler(seq.params, seq.sampler.rng)  # sampled: a RowSampler
-            picks, n_ok = seq.draft_sampler.verify(rows, draft)
+            picks, n_ok = seq.draft_sampler.verify(rows, draft, scratch)
         self.planner.record(seq.drafting, k, n_ok)  # acceptance rates, which plan the next drafts
         return picks, n_ok
 

@@ -47,18 +47,14 @@ class Scratch:
 def draw(logits: np.ndarray, params: Truncation, u: float, scratch: Scratch) -> int:
     """The token a uniform draw u (in [0, 1)) picks from what the truncation and temperature leave."""
     ids = candidates(logits, params, scratch)
-    if ids is None:  # nothing truncated: the whole row's tempered weights, in place
-        weights = np.subtract(logits, logits.max(), out=scratch.values)
-        np.divide(weights, np.float32(params.temperature), out=weights)
-        np.exp(np.maximum(weights, -_EXP_RANGE, out=weights), out=weights)
-        return _pick(weights, u)
+    if ids is None:  # nothing truncated: the whole row's weights, in place
+        return _pick(_weights(logits, params.temperature, out=scratch.values), u)
     return int(ids[_pick(_weights(logits[ids], params.temperature), u)])
 
 
-def distribution(logits: np.ndarray, params: Truncation) -> tuple[np.ndarray, np.ndarray]:
+def distribution(logits: np.ndarray, params: Truncation, scratch: Scratch) -> tuple[np.ndarray, np.ndarray]:
     """The candidates' token ids (most likely first where truncated, else every token that can be
     drawn) and their probabilities."""
-    scratch = Scratch(len(logits))
     ids = candidates(logits, params, scratch)
     if ids is None:
         ids = np.flatnonzero(logits >= logits.max() - _EXP_RANGE * np.float32(params.temperature))
@@ -85,9 +81,11 @@ def candidates(logits: np.ndarray, params: Truncation, scratch: Scratch) -> np.n
     return ids
 
 
-def _weights(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """Unnormalised probabilities after temperature, float32 (the best token's is 1)."""
-    return np.exp(np.maximum((logits - logits.max()) / np.float32(temperature), -_EXP_RANGE))
+def _weights(logits: np.ndarray, temperature: float, out: np.ndarray | None = None) -> np.ndarray:
+    """Unnormalised probabilities after temperature, float32 (the best token's is 1), in `out` if given."""
+    weights = np.subtract(logits, logits.max(), out=out)
+    np.divide(weights, np.float32(temperature), out=weights)
+    return np.exp(np.maximum(weights, -_EXP_RANGE, out=weights), out=weights)
 
 
 def _pick(weights: np.ndarray, u: float) -> int:
