@@ -93,11 +93,7 @@ class EngineConfig:
         object.__setattr__(self, "lora", tuple(str(text) for text in self.lora))
         object.__setattr__(self, "rpc", parse_endpoints(self.rpc))
         object.__setattr__(self, "tensor_split", parse_tensor_split(self.tensor_split))
-        if isinstance(self.checkpoint_memory, str):
-            try:
-                object.__setattr__(self, "checkpoint_memory", parse_size(self.checkpoint_memory, zero=True))
-            except ValueError as e:
-                raise ConfigError(f"--checkpoint-memory: {e}") from None
+        object.__setattr__(self, "checkpoint_memory", checkpoint_budget(self.checkpoint_memory))
         for problem in self._problems():
             raise ConfigError(problem)
 
@@ -180,6 +176,16 @@ class EngineConfig:
             yield "--tensor-split shares offloaded layers between devices, and this engine has none: add --rpc, or drop --tensor-split"
         if self.gpu_layers < -1:
             yield f"gpu_layers must be -1 (all) or >= 0, got {self.gpu_layers}"
+
+
+def checkpoint_budget(value: int | str) -> int:
+    """--checkpoint-memory in bytes: a number, or a size such as 512MiB (0: none)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse_size(value, zero=True)
+    except ValueError as e:
+        raise ConfigError(f"--checkpoint-memory: {e}") from None
 
 
 def parse_size(text: str, zero: bool = False) -> int:

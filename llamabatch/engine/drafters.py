@@ -8,8 +8,9 @@ it holds for the slot is kept up to the first token that differs from the sequen
 drafts, or another sequence that took the slot) and the rest is decoded. So it needs no news of
 admissions, preemptions or verifications, and a slot's cached prompt serves its next sequence in
 the draft context too. A draft model whose memory cannot be cut (recurrent, hybrid) is
-checkpointed before its drafts, and goes back there to drop the rejected ones. Greedy proposals are deterministic, so rejection sampling that treats
-each draft as certain (speculation.DraftSampler) keeps a sampled sequence's distribution exact.
+checkpointed before its drafts, and goes back there to drop the rejected ones. Greedy proposals
+are deterministic, so rejection sampling that treats each draft as certain
+(speculation.DraftSampler) keeps a sampled sequence's distribution exact.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..catalog import Catalog
 from ..errors import ConfigError
 from .config import EngineConfig
-from .config import parse_size
+from .config import checkpoint_budget, parse_size
 from .planning import plan_for
 
 AUTO = "auto"
@@ -107,13 +107,6 @@ class EngineOptions:
             checkpoint_memory=None if self.checkpoint_memory is None else checkpoint_budget(self.checkpoint_memory),
         )
         return planned.n_parallel, planned.n_ctx
-
-
-def checkpoint_budget(text: str) -> int:
-    try:
-        return parse_size(text, zero=True)
-    except ValueError as e:
-        raise ConfigError(f"--checkpoint-memory: {e}") from None
 
 
 def memory_budget(text: str | None) -> int | None:
