@@ -22,10 +22,10 @@ from .memory import Memory, MemoryRefused
 from .native import INVALID_BATCH, KV_FULL, Batch, Context, Model, init_backend, use_row_invariant_matmul
 from .rpc import guard as rpc_guard, local_accelerators, remote_devices
 from .results import Event, Result, RunStats, Score
-from .sampling import GreedySampler, SamplingParams, build_sampler, score_rows, token_logprob
+from .sampling import SamplingParams, build_sampler, score_rows, token_logprob
 from .scheduler import LONE_ROW_MAX_CELLS, Filler, Scheduler
 from .sequence import Sequence, Status
-from .rows import lay_out
+from .rows import lay_out, lay_out_decodes
 from .scoring import scored_prompts, total_score
 from .speculator import Speculator
 from .truncation import Scratch
@@ -200,8 +200,9 @@ class BatchEngine:
         if params.n > self.config.n_parallel and self.scheduler.checkpoint_every is not None:
             for seq in sequences:  # samples that wait for a slot take the prompt from a checkpoint there
                 seq.checkpoint_at = len(tokens) - 1
-        for seq, matcher in zip(sequences, matchers):
+        for seq, matcher, p in zip(sequences, matchers, params.per_sample()):
             seq.matcher, seq.adapters = matcher, adapters
+            seq.special = matcher is not None or p.logprobs is not None or p.max_tokens == 0
             seq.priority, seq.priority_class = priority, priority_class
             seq.score_from = -1 if score_from is None else score_from
             if params.max_tokens == 0 and score_from is None:  # nothing to generate, nothing to score: done
@@ -212,7 +213,10 @@ class BatchEngine:
 
     def _new_sequence(self, index: int, sample: int, prompt: str, tokens: list[int], params: SamplingParams) -> Sequence:
         sampler = build_sampler(params, self.ctx.n_ctx_seq)  # penalties look back over the prompt too, as llama.cpp's server does
-        return Sequence(index, prompt, params, list(tokens), len(tokens), sampler=sampler, sample=sample, uid=next(self._uids))
+        # max_tokens reached, or the context: the newest token is decoded at len(tokens) - 1 next step, in a cell it needs.
+        max_len = min(len(tokens) + params.max_tokens, self.ctx.n_ctx_seq + 1)
+        return Sequence(index, prompt, params, list(tokens), len(tokens), sampler=sampler, sample=sample, uid=next(self._uids),
+                        max_len=max_len)
 
     def submit(
         self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
@@ -322,10 +326,16 @@ class BatchEngine:
                 decoded, failure = decoded + n, why or failure
             return decoded, failure
         logits = self.ctx.output_logits(self.batch.n_outputs, self.vocab.n_vocab) if self.batch.n_outputs else None
+        if self.scheduler.decodes_only:  # the plain step: each row took its token in and samples the next
+            for seq in rows:
+                seq.n_past += 1
+            self._sample(rows, range(len(rows)), logits, events)
+            return len(rows), None
         due: list[Sequence] = []
         for seq in rows:
             self._advance(seq, due, logits)
-        self._sample(due, logits, events)
+        if due:
+            self._sample(due, [self._output_row[s.i_batch] for s in due], logits, events)
         return len(rows), None
 
     def _named_by(self, error: DecodeError) -> Sequence | None:
@@ -492,10 +502,13 @@ class BatchEngine:
         fillers = self.scheduler.fillers(scheduled) if self.config.deterministic else []
         for filler in fillers:
             self.memory.prepare_to_reject(filler.seq_id, 1)
-        # Rows in seq_id order: llama.cpp groups consecutive seq_ids into one micro-batch.
-        rows = sorted([*scheduled, *fillers], key=lambda row: row.seq_id) if fillers else scheduled  # already in order
-        tokens, pos, seq_ids, logits, self._output_row = lay_out(rows, self._filler_logits)
-        self.batch.set(tokens, pos, seq_ids, logits)
+        if self.scheduler.decodes_only:  # one token and one logits row each, row k for scheduled[k]
+            self.batch.set(*lay_out_decodes(scheduled))
+        else:
+            # Rows in seq_id order: llama.cpp groups consecutive seq_ids into one micro-batch.
+            rows = sorted([*scheduled, *fillers], key=lambda row: row.seq_id) if fillers else scheduled  # already in order
+            tokens, pos, seq_ids, logits, self._output_row = lay_out(rows, self._filler_logits)
+            self.batch.set(tokens, pos, seq_ids, logits)
         self.stats.decode_calls += 1
         self.stats.sequence_slots += len(scheduled)
         try:
@@ -544,26 +557,30 @@ class BatchEngine:
         for waiting in [f for f in follower.followers if f.n_shared <= follower.n_past]:
             self._share_prefix(follower, waiting, due)
 
-    def _sample(self, due: list[Sequence], logits: np.ndarray | None, events: list[Event]) -> None:
-        """Each due sequence's next token from its row of this step's logits: greedy ones from one
-        argmax over all rows, the others by their own samplers (sampling.RowSampler); constrained ones after
-        their rows are masked. A sequence that asked for no tokens (max_tokens 0: its prompt was
-        only scored) ends here. Each event joins `events` as it happens."""
-        if not due:
-            return
-        rows = [self._output_row[s.i_batch] for s in due]
-        shared = {r for r, k in Counter(rows).items() if k > 1}  # followers sampling from their leader's row
+    def _sample(self, due: list[Sequence], rows: list[int] | range, logits: np.ndarray, events: list[Event]) -> None:
+        """Each due sequence's next token from its row of this step's logits (rows[k] for due[k]):
+        greedy ones from one argmax over all rows, the others by their own samplers
+        (sampling.RowSampler); constrained ones after their rows are masked. A sequence that asked
+        for no tokens (max_tokens 0: its prompt was only scored) ends here. Each event joins
+        `events` as it happens."""
+        # Followers sampling from their leader's row share it (never in a plain step: rows is a range).
+        shared = set() if isinstance(rows, range) else {r for r, k in Counter(rows).items() if k > 1}
         raw = self._mask_constrained(due, rows, shared, logits)
-        best = logits.argmax(axis=1) if any(isinstance(s.sampler, GreedySampler) for s in due) else None
+        best = logits.argmax(axis=1).tolist() if any(s.sampler.greedy for s in due) else None
         for seq, r in zip(due, rows):
             try:
-                events += self._sample_one(seq, r, shared, best, raw, logits)
+                if seq.special or seq.draft:
+                    events += self._sample_special(seq, r, shared, best, raw, logits)
+                elif seq.sampler.greedy:
+                    events.append(self._accept(seq, best[r]))
+                else:
+                    events.append(self._accept(seq, seq.sampler.sample(logits[r], seq.tokens, self._scratch)))
             except Exception as e:  # noqa: BLE001 - its failure, not its neighbours'
                 if seq.status is not Status.FINISHED:
                     events.append(self._fail(seq, f"sampling failed: {type(e).__name__}: {e}"))
 
-    def _sample_one(self, seq: Sequence, r: int, shared: set[int], best: np.ndarray | None,
-                    raw: dict[int, np.ndarray], logits: np.ndarray) -> list[Event]:
+    def _sample_special(self, seq: Sequence, r: int, shared: set[int], best: list[int] | None,
+                        raw: dict[int, np.ndarray], logits: np.ndarray) -> list[Event]:
         if seq.params.max_tokens == 0:
             return [self._finish(seq, None, "", "length")]
         if seq.draft:
@@ -571,12 +588,12 @@ class BatchEngine:
         if seq.matcher is not None and r in shared:
             token = self._sample_masked_copy(seq, logits[r])
         else:
-            token = int(best[r]) if isinstance(seq.sampler, GreedySampler) else seq.sampler.sample(logits[r], seq.tokens, self._scratch)
+            token = best[r] if seq.sampler.greedy else seq.sampler.sample(logits[r], seq.tokens, self._scratch)
         if seq.params.logprobs is not None:  # the model's own distribution, before any mask
             seq.logprobs.append(token_logprob(raw.get(seq.uid, logits[r]), token, seq.params.logprobs))
         return [self._accept(seq, token)]
 
-    def _verify(self, seq: Sequence, best: np.ndarray | None, logits: np.ndarray) -> list[Event]:
+    def _verify(self, seq: Sequence, best: list[int] | None, logits: np.ndarray) -> list[Event]:
         """Accept what the speculator keeps of the sequence's drafts (their rejected KV is
         forgotten), one token at a time, so EOS, stop strings and max_tokens cut the run exactly
         where a step each would have."""
@@ -615,7 +632,7 @@ class BatchEngine:
         original = row.copy()
         self.grammars.mask_rows([seq.matcher], [row])
         try:
-            return int(row.argmax()) if isinstance(seq.sampler, GreedySampler) else seq.sampler.sample(row, seq.tokens, self._scratch)
+            return int(row.argmax()) if seq.sampler.greedy else seq.sampler.sample(row, seq.tokens, self._scratch)
         finally:
             row[:] = original
 
@@ -637,10 +654,9 @@ class BatchEngine:
         text = seq.text.push(self.vocab.piece(token))
         if seq.text.stopped or (seq.matcher is not None and seq.matcher.is_stopped()):
             return self._finish(seq, token, text, "stop")
-        # The new token is decoded at position len(tokens) - 1 next step: it needs a cell.
-        if seq.n_generated >= seq.params.max_tokens or len(seq.tokens) > self.ctx.n_ctx_seq:
+        if len(seq.tokens) >= seq.max_len:
             return self._finish(seq, token, text, "length")
-        return self._event(seq, token, text)
+        return Event(seq.index, token, text, None, None, seq.sample, seq.uid, seq.logprobs[-1] if seq.logprobs else None)
 
     def _finish(self, seq: Sequence, token: int | None, text: str, reason: str, error: str | None = None) -> Event:
         """The sequence is done; its KV stays in its slot as a prefix cache for later prompts

@@ -525,16 +525,18 @@ class Batch(_Owner):
         struct.n_tokens = self.n_tokens
         return struct
 
-    def set(self, tokens: list[int], pos: list[int], seq_ids: list[int], logits: list[int]) -> None:
-        """Make the batch these rows: token, position, seq_id and logits flag (1 = keep its logits)."""
+    def set(self, tokens: list[int], pos: list[int], seq_ids: list[int], logits: list[int] | None = None) -> None:
+        """Make the batch these rows: token, position, seq_id and logits flag (1 = keep its logits;
+        None: every row keeps them)."""
         n = len(tokens)
         if n > self.capacity:
             raise ValueError(f"batch overflow: {n} tokens > capacity {self.capacity}")
         if n == 1:  # one sequence decoding: scalar writes cost a quarter of slice writes
-            self.token[0], self.pos[0], self.seq_id[0], self.logits[0] = tokens[0], pos[0], seq_ids[0], logits[0]
+            self.token[0], self.pos[0], self.seq_id[0] = tokens[0], pos[0], seq_ids[0]
+            self.logits[0] = 1 if logits is None else logits[0]
         else:
             self.token[:n] = tokens
             self.pos[:n] = pos
             self.seq_id[:n] = seq_ids
-            self.logits[:n] = logits
-        self.n_tokens, self.n_outputs = n, logits.count(1)
+            self.logits[:n] = 1 if logits is None else logits
+        self.n_tokens, self.n_outputs = n, n if logits is None else logits.count(1)

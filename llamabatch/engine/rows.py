@@ -62,3 +62,9 @@ def lay_out(rows: list[Sequence | Filler], filler_logits: bool) -> tuple[list[in
     if others:  # count every row that asks for logits
         output_row = {i: k for k, i in enumerate(i for i, flag in enumerate(logits) if flag)}
     return tokens, pos, seq_ids, logits, output_row
+
+
+def lay_out_decodes(rows: list[Sequence]) -> tuple[list[int], list[int], list[int]]:
+    """The batch of a plain step (scheduler.decodes_only): each sequence's newest token at its
+    n_past, every row with logits, so row k of the output is rows[k]'s."""
+    return [seq.tokens[-1] for seq in rows], [seq.n_past for seq in rows], [seq.seq_id for seq in rows]

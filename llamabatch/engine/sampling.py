@@ -147,6 +147,8 @@ class GreedySampler:
     """Greedy sampling without penalties, done by the engine: one argmax over every such row of
     a step's logits. Same choice as llama.cpp's greedy sampler (the first highest logit)."""
 
+    greedy = True
+
     def close(self) -> None:
         pass  # owns nothing native
 
@@ -157,6 +159,8 @@ class RowSampler:
     then top-k, top-p, min-p, temperature and a seeded draw), with the truncation found without a
     sort of the vocabulary (truncation.py). Its own generator draws, so a seed reproduces the same
     tokens whatever else is in the batch; they are not the tokens llama.cpp's generator draws."""
+
+    greedy = False
 
     def __init__(self, params: SamplingParams, n_ctx: int) -> None:
         self.params = params

@@ -163,6 +163,10 @@ class Scheduler:
         # After the KV cache ran full, admitting more would only fill it again: wait until
         # a running sequence finishes and frees its cells.
         self._kv_full = False
+        # Whether the last schedule() holds only sequences decoding a token they sampled: the
+        # engine's plain step (one token and one logits row each, in order; nothing to score,
+        # no drafts, no prefix to hand on).
+        self.decodes_only = False
 
     @property
     def has_work(self) -> bool:
@@ -192,17 +196,22 @@ class Scheduler:
         """The sequences for the next batch, each with n_chunk set; decoders first, then prefill.
         `reserved` rows (speculative drafts, which also want logits) are kept out of the budget."""
         generating, prefilling = [], []
+        plain = not reserved  # so far every row decodes a sampled token
         for seq in self.running:  # one pass, no properties: this runs every step
             if len(seq.tokens) - seq.n_past > 1:
                 if seq.leader is None:
                     prefilling.append(seq)
             elif seq.leader is None:
                 generating.append(seq)
-                if seq in self._leaders:  # its prompt is in: it can no longer lead
-                    self._leaders.remove(seq)
+                if seq.n_past <= seq.n_prompt:  # its prompt is in, or its last token goes in now
+                    if seq in self._leaders:  # it can no longer lead
+                        self._leaders.remove(seq)
+                    if seq.n_past < seq.n_prompt:  # that last token's row may score it, or hand on a prefix
+                        plain = False
         if any(seq.adapters != self.running[0].adapters for seq in self.running):
             generating, prefilling = self._one_adapter_set(generating, prefilling)
         if self.batch_invariant:
+            self.decodes_only = False
             return self._isolated(generating, prefilling)
         if prefilling and self.policy == "priority":
             generating, prefilling = _held_back(generating, prefilling)
@@ -210,6 +219,7 @@ class Scheduler:
         for seq in generating:
             seq.n_chunk = 1
         scheduled = list(generating)
+        self.decodes_only = plain
         for seq in prefilling:
             if budget == 0:
                 break
@@ -221,6 +231,7 @@ class Scheduler:
             budget -= n
             outputs += len(seq.scored_rows(seq.n_past, n)) + 1
             scheduled.append(seq)
+            self.decodes_only = False
         return sorted(scheduled, key=_by_seq_id)  # rows in seq_id order: see _take_slot
 
     def _one_adapter_set(self, generating: list[Sequence], prefilling: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:

@@ -41,6 +41,7 @@ class Sequence:
     params: SamplingParams
     tokens: list[int]  # prompt token ids, then generated ones
     n_prompt: int
+    max_len: int = 1 << 62  # its tokens when it must stop ("length"): max_tokens generated, or a full context
     sampler: GreedySampler | RowSampler | None = None
     text: TextStream = field(init=False)
     status: Status = Status.WAITING
@@ -61,6 +62,9 @@ class Sequence:
     scored: PromptScore = field(default_factory=PromptScore)
     chunk_row: int = -1  # batch row of the current chunk's first token
     matcher: Matcher | None = None  # its constraint (structured output), if any
+    # Sampled otherwise than by its sampler alone (a constraint, log-probabilities, or no tokens
+    # to generate): the engine's general path, which plain rows skip. Set once, when it is added.
+    special: bool = False
     drafting: DraftState | None = None  # speculative decoding: its acceptance rate (and n-gram index)
     draft_sampler: DraftSampler | None = None  # and, when it samples, how they are verified
     draft: list[int] = field(default_factory=list)  # tokens proposed after the last one, this step

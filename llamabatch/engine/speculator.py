@@ -11,7 +11,6 @@ import numpy as np
 from .config import EngineConfig
 from .drafters import DraftModel, Drafter, NgramDrafter
 from .native import Vocab
-from .sampling import GreedySampler
 from .sequence import Sequence
 from .speculation import DraftPlanner, DraftSampler
 from .truncation import Scratch
@@ -54,7 +53,7 @@ class Speculator:
         if any(s.adapters != generating[0].adapters for s in generating):
             return None  # the step will decode one adapter set's sequences: drafts only when all share one
         eligible = [s for s in generating if s.n_pending == 1 and s.matcher is None
-                    and (isinstance(s.sampler, GreedySampler) or s.params.verifiable)]
+                    and (s.sampler.greedy or s.params.verifiable)]
         if not eligible:
             return None
         for seq in eligible:
@@ -76,14 +75,14 @@ class Speculator:
             seq.draft = draft
         return [seq for seq in eligible if seq.draft]
 
-    def verify(self, seq: Sequence, best: np.ndarray | None, rows: np.ndarray, scratch: Scratch) -> tuple[list[int], int]:
+    def verify(self, seq: Sequence, best: list[int] | None, rows: np.ndarray, scratch: Scratch) -> tuple[list[int], int]:
         """The tokens a sequence keeps from its drafts, whose logits are `rows` (its last token's
         row, then one per draft): the drafts up to the first the model refuses, then the model's
         own token there (greedy: those its argmax `best` agrees with; sampled: by rejection
         sampling, DraftSampler). Returns them and how many drafts were kept."""
         draft = seq.draft
         k = len(draft)
-        if isinstance(seq.sampler, GreedySampler):
+        if seq.sampler.greedy:
             picks = [int(t) for t in best]
             n_ok = 0
             while n_ok < k and picks[n_ok] == draft[n_ok]:

@@ -33,8 +33,10 @@ class TextStream:
     def push(self, piece: bytes) -> str:
         """Add one token's bytes; return the newly shown text (maybe empty)."""
         new = self._decoder.decode(piece)
-        if not self._stop:
-            return self._show(new)
+        if not self._stop:  # the common case, inline: a push per token of every sequence
+            if new:
+                self._shown.append(new)
+            return new
         pending = self._pending + new
         # A stop can only start in the unshown tail: shown text never holds a stop prefix.
         hits = [i for i in (pending.find(s) for s in self._stop) if i >= 0]
