@@ -39,6 +39,8 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str, hang_up: boo
         "model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
     }
+    if args.top_p is not None:
+        body["top_p"] = args.top_p
     out, started = Outcome(), time.perf_counter()
     last = None
     try:
@@ -69,19 +71,24 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str, hang_up: boo
     return out
 
 
-async def client_loop(client: httpx.AsyncClient, args, index: int, deadline: float, outcomes: list[Outcome]) -> None:
+def client_requests(index: int, requests: int, disconnect: float = 0.0) -> list[tuple[str, bool]]:
+    """Client `index`'s requests, in order: each one's prompt, and whether it hangs up mid-stream."""
     rng = random.Random(index)
-    for r in range(args.requests):
+    return [(f"Client {index}, request {r}: write a short paragraph about {rng.choice(SUBJECTS)}.", rng.random() < disconnect)
+            for r in range(requests)]
+
+
+async def client_loop(client: httpx.AsyncClient, args, index: int, deadline: float, outcomes: list[Outcome]) -> None:
+    for prompt, hang_up in client_requests(index, args.requests, args.disconnect):
         if time.perf_counter() > deadline:
             return
-        prompt = f"Client {index}, request {r}: write a short paragraph about {rng.choice(SUBJECTS)}."
-        outcomes.append(await one_request(client, args, prompt, rng.random() < args.disconnect))
+        outcomes.append(await one_request(client, args, prompt, hang_up))
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
-        return {"p50": None, "p99": None}
-    return {"p50": round(float(np.percentile(values, 50)), 4), "p99": round(float(np.percentile(values, 99)), 4)}
+        return {"p50": None, "p95": None, "p99": None}
+    return {f"p{q}": round(float(np.percentile(values, q)), 4) for q in (50, 95, 99)}
 
 
 async def main_async(args) -> dict:
@@ -108,10 +115,12 @@ async def main_async(args) -> dict:
 
 
 def load(base_url: str, *, clients: int = 16, requests: int = 4, max_tokens: int = 64, temperature: float = 0.0,
-         disconnect: float = 0.0, timeout: float = 600.0, api_key: str | None = None, model: str | None = None) -> dict:
+         top_p: float | None = None, disconnect: float = 0.0, timeout: float = 600.0, api_key: str | None = None,
+         model: str | None = None) -> dict:
     """One load test of the server at base_url (loopback): its report."""
     args = argparse.Namespace(base_url=base_url, clients=clients, requests=requests, max_tokens=max_tokens,
-                              temperature=temperature, disconnect=disconnect, timeout=timeout, api_key=api_key, model=model)
+                              temperature=temperature, top_p=top_p, disconnect=disconnect, timeout=timeout, api_key=api_key,
+                              model=model)
     if args.model is None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         args.model = httpx.get(f"{base_url}/v1/models", headers=headers).json()["data"][0]["id"]
@@ -126,6 +135,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="per client")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=None, help="sent when given")
     parser.add_argument("--disconnect", type=float, default=0.0, help="share of requests that hang up mid-stream")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole test and any request")
     parser.add_argument("--api-key", default=None)

@@ -1,9 +1,14 @@
-"""`llamabatch serve` against llama.cpp's `llama-server` under concurrent streaming clients.
+"""`llamabatch serve` against llama.cpp's `llama-server` under concurrent streaming clients, and
+against `llamabatch batch` on the same requests.
 
-Both with --parallel N, -c 256·N and the same threads (llama-server built by
+Both servers with --parallel N, -c 256·N and the same threads (llama-server built by
 scripts/build_native.sh from the same llama.cpp); N clients (loadtest.py) send --requests
-streamed /v1/completions of --max-tokens greedy tokens each (EOS ignored), after a warm-up. The
-servers alternate, each a fresh process; figures are medians over the rounds.
+streamed /v1/completions of --max-tokens tokens each (EOS ignored; greedy, or sampled as OpenAI
+clients ask with --temperature and --top-p, which leave top-k and min-p at each server's own
+default), after a warm-up. `batch` runs the same prompts as a prompt file with the same slots,
+threads, context and sampling (top-k and min-p off, as llamabatch serve takes OpenAI requests):
+what serving costs over the engine alone. The sides alternate, each a fresh process; figures are
+medians over the rounds.
 """
 
 from __future__ import annotations
@@ -11,11 +16,12 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from .harness import Spread, alternate, model_path, paired, tiny_model
-from .loadtest import load
+from .harness import Spread, alternate, cli, json_lines, model_path, paired, run as run_command, tiny_model
+from .loadtest import client_requests, load
 from .servers import llama_server, llamabatch_serve
 
 SMOKE = ["--model", "tiny", "--clients", "2", "--requests", "4", "--max-tokens", "8", "--rounds", "1"]
+SIDES = ("llamabatch", "llama-server", "batch")
 
 
 def arguments(parser) -> None:
@@ -23,36 +29,60 @@ def arguments(parser) -> None:
     parser.add_argument("--clients", default="16,32", help="clients = slots, each")
     parser.add_argument("--requests", type=int, default=128, help="in all, shared by the clients")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=None, help="sent with each request when given")
+    parser.add_argument("--sides", default=",".join(SIDES), help=f"of {', '.join(SIDES)}")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
 
 
 def run(args, report) -> None:
     rows = []
+    sides = args.sides.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         gguf = tiny_model(Path(tmp)) if args.model == "tiny" else model_path(args.model)
         for n in map(int, args.clients.split(",")):
-            servers = {
-                "llamabatch": lambda n=n: llamabatch_serve(gguf, "--parallel", n, "--ctx", 256 * n, "-t", args.threads),
-                "llama-server": lambda n=n: llama_server(gguf, "-np", n, "-c", 256 * n, "-t", args.threads, "-kvu"),
+            per_client = max(1, args.requests // n)
+            makers = {
+                "llamabatch": lambda n=n: served(llamabatch_serve(gguf, "--parallel", n, "--ctx", 256 * n, "-t", args.threads), n, per_client, args),
+                "llama-server": lambda n=n: served(llama_server(gguf, "-np", n, "-c", 256 * n, "-t", args.threads, "-kvu"), n, per_client, args),
+                "batch": lambda n=n: batched(gguf, n, per_client, args, Path(tmp)),
             }
-
-            def loaded(make, n=n):
-                def measure() -> dict:
-                    with make() as server:
-                        load(server.base, clients=n, requests=1, max_tokens=4)  # warm-up
-                        return load(server.base, clients=n, requests=max(1, args.requests // n), max_tokens=args.max_tokens)
-                return measure
-
-            runs = alternate({name: loaded(make) for name, make in servers.items()}, args.rounds, label=f"{n} clients")
+            runs = alternate({name: makers[name] for name in sides}, args.rounds, label=f"{n} clients")
             for name, results in runs.items():
+                streamed = name != "batch"
                 rows.append([n, name, Spread.of([r["output_tokens_per_s"] for r in results]),
-                             Spread.of([r["ttft_s"]["p50"] * 1000 for r in results]), Spread.of([r["ttft_s"]["p99"] * 1000 for r in results]),
-                             Spread.of([r["inter_token_s"]["p50"] * 1000 for r in results]),
+                             *(Spread.of([r[key][q] * 1000 for r in results]) if streamed else ""
+                               for key, q in (("ttft_s", "p50"), ("ttft_s", "p95"), ("inter_token_s", "p50"), ("inter_token_s", "p95"))),
                              sum(r["errors"] + r["incomplete"] for r in results)])
-            ratio = paired([r["output_tokens_per_s"] for r in runs["llamabatch"]], [r["output_tokens_per_s"] for r in runs["llama-server"]])
-            report.figure(f"llamabatch_vs_llama_server_{n}_clients", ratio)
-            rows.append([n, "llamabatch / llama-server", ratio, "", "", "", ""])
-    report.table(f"{Path(gguf).name}, {args.requests} requests of {args.max_tokens} tokens, clients = slots",
-                 ["clients", "server", "output tokens/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "inter-token p50 (ms)", "failed or short"], rows,
-                 f"Medians (lowest–highest) of {args.rounds} alternating rounds, each server a fresh process.")
+            for a, b in (("llamabatch", "llama-server"), ("llamabatch", "batch")):
+                if a in runs and b in runs:
+                    ratio = paired([r["output_tokens_per_s"] for r in runs[a]], [r["output_tokens_per_s"] for r in runs[b]])
+                    report.figure(f"{a}_vs_{b}_{n}_clients".replace("-", "_"), ratio)
+                    rows.append([n, f"{a} / {b}", ratio, "", "", "", "", ""])
+    sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}" + (
+        f", top-p {args.top_p:g}" if args.top_p is not None else "")
+    report.table(f"{Path(gguf).name}, {args.requests} requests of {args.max_tokens} tokens, {sampling}, clients = slots",
+                 ["clients", "side", "output tokens/s", "TTFT p50 (ms)", "TTFT p95 (ms)", "inter-token p50 (ms)",
+                  "inter-token p95 (ms)", "failed or short"], rows,
+                 f"Medians (lowest–highest) of {args.rounds} alternating rounds, each side a fresh process. "
+                 "batch: `llamabatch batch` on the same prompts, its own tokens/s (no HTTP, no clients).")
+
+
+def served(server, n: int, per_client: int, args) -> dict:
+    with server:
+        load(server.base, clients=n, requests=1, max_tokens=4)  # warm-up
+        return load(server.base, clients=n, requests=per_client, max_tokens=args.max_tokens,
+                    temperature=args.temperature, top_p=args.top_p)
+
+
+def batched(gguf: Path, n: int, per_client: int, args, tmp: Path) -> dict:
+    """The clients' prompts as one `llamabatch batch` prompt file: its summary, in load()'s terms."""
+    prompts = tmp / f"prompts-{n}.txt"
+    prompts.write_text("".join(f"{prompt}\n" for i in range(n) for prompt, _ in client_requests(i, per_client)))
+    sampling = ["--temperature", args.temperature, "--top-k", 0, "--min-p", 0, "--top-p", 1 if args.top_p is None else args.top_p]
+    _, output = run_command(cli("batch", prompts, "-o", tmp / f"out-{n}.jsonl", "--model", gguf, "--parallel", n,
+                                "--ctx", 256 * n, "-t", args.threads, "--max-tokens", args.max_tokens, "--ignore-eos",
+                                *sampling, "--json"))
+    summary = json_lines(output)[-1]["summary"]
+    return {"output_tokens_per_s": summary["tokens_per_s"], "errors": summary["failed"], "incomplete": summary["incomplete"]}

@@ -128,8 +128,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     async def answer(body: CompletionRequest | ChatRequest, kind: str, http: HttpRequest):
         engine = _engine(worker)
-        try:
-            prompts, params = engine_inputs(body, engine)
+        try:  # a chat template rendered, and tokenized, on a thread of its own: the event loop serves the streams
+            prompts, params = await asyncio.to_thread(engine_inputs, body, engine)
         except LlamabatchError as e:
             raise HTTPException(refusal_status(e), str(e)) from None
         submission = await _submit(worker, prompts, params, metrics, settings.request_timeout, body.priority)

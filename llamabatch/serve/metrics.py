@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import time
+import threading
 
+import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import InfoMetricFamily
+from prometheus_client.core import HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from ..engine import Sequence
-from .worker import EngineWorker, Observer
+from .worker import EngineWorker, Observer, StepReport
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # Priority classes, a label on the metrics that differ by entry point: interactive requests, and
@@ -52,7 +53,7 @@ class Metrics:
             "llamabatch_time_to_first_token_seconds", "Submission to first token", ["class"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.preempted = Gauge("llamabatch_priority_preemptions", "Sequences preempted for a better priority", registry=r)
-        self.itl = Histogram("llamabatch_inter_token_latency_seconds", "Between a sequence's tokens", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = StepHistogram("llamabatch_inter_token_latency_seconds", "Between a sequence's tokens", _LATENCY_BUCKETS, r)
         self.adapter_switches = Gauge("llamabatch_adapter_switches", "Steps that changed the LoRA adapter set", registry=r)
 
     def watch(self, worker: EngineWorker) -> None:
@@ -80,26 +81,51 @@ class Metrics:
         )
 
     def observer(self) -> Observer:
-        return Observer(on_step=self._on_step, on_token=self._on_token, on_finish=self._on_finish)
+        return Observer(on_step=self._on_step)
 
-    def _on_step(self, n_sequences: int, seconds: float) -> None:
-        if n_sequences:
-            self.active.observe(n_sequences)
-            self.step_seconds.observe(seconds)
-
-    def _on_token(self, seq: Sequence, since_last: float | None) -> None:
-        self.generated_tokens.labels(seq.priority_class).inc()
-        if since_last is None:
-            self.ttft.labels(seq.priority_class).observe(time.perf_counter() - seq.t_submitted)
-        else:
-            self.itl.observe(since_last)
-
-    def _on_finish(self, seq: Sequence) -> None:
-        self.prompt_tokens.inc(seq.n_prompt)
-        self.cached_tokens.inc(seq.n_cached)
+    def _on_step(self, report: StepReport) -> None:
+        """Once a step, from the engine's thread: what its tokens add up to."""
+        if report.n_sequences:
+            self.active.observe(report.n_sequences)
+            self.step_seconds.observe(report.seconds)
+        for name, n in report.tokens.items():
+            self.generated_tokens.labels(name).inc(n)
+        for name, seconds in report.first_tokens:
+            self.ttft.labels(name).observe(seconds)
+        self.itl.observe_many(report.gaps)
+        for seq in report.finished:
+            self.prompt_tokens.inc(seq.n_prompt)
+            self.cached_tokens.inc(seq.n_cached)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class StepHistogram(Collector):
+    """A Prometheus histogram fed a step's values at once: every token of a step adds an
+    inter-token gap, and one bucket count over them all costs less than an observe() each."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self._bounds = np.array(buckets, dtype=np.float64)
+        self._counts = np.zeros(len(buckets) + 1, dtype=np.int64)  # the last: above every bound (+Inf)
+        self._sum = 0.0
+        self._lock = threading.Lock()  # scrapes read from another thread
+        registry.register(self)
+
+    def observe_many(self, values: list[float]) -> None:
+        if not values:
+            return
+        counts = np.bincount(np.searchsorted(self._bounds, values), minlength=len(self._counts))  # value <= bound: that bucket
+        with self._lock:
+            self._counts += counts
+            self._sum += float(np.sum(values))
+
+    def collect(self):
+        with self._lock:
+            cumulative, total = np.cumsum(self._counts).tolist(), self._sum
+        buckets = [(floatToGoString(b), c) for b, c in zip(self._bounds.tolist(), cumulative)] + [("+Inf", cumulative[-1])]
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=total)
 
 
 class _EngineInfo(Collector):

@@ -57,11 +57,13 @@ class Reply:
                         return
                     next_check = now + 0.5
                 try:
-                    event = await asyncio.wait_for(self.submission.events.get(), timeout=0.5)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(0.5):  # (no task per wait, as wait_for makes)
+                        events = await self.submission.events.get()
+                except TimeoutError:
                     continue
-                self.n_open -= event.finish_reason is not None
-                yield event
+                for event in events:  # one step's
+                    self.n_open -= event.finish_reason is not None
+                    yield event
         finally:
             if self.n_open:
                 worker.cancel(self.submission)

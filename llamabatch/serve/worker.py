@@ -1,8 +1,10 @@
 """One thread owns the engine and steps it; requests from other threads reach it through an inbox.
 
 The engine (and the llama.cpp context under it) is touched only by the worker thread. Callers
-submit prompts and get a Submission back; each step's events are pushed to the Submission's asyncio
-queue on the caller's event loop. Cancelling a Submission frees its sequences at the next step.
+submit prompts and get a Submission back; each step's events reach the callers' event loop in
+one delivery (one wake-up of the loop per step, not one per token), which puts each Submission's
+share of them on its asyncio queue as one list. Cancelling a Submission frees its sequences at
+the next step. The metrics hear of a step once, with what its tokens add up to (StepReport).
 
 A step that fails fails its own sequences (the engine reports them) and the thread goes on. If
 the engine breaks, every open and queued request fails at once, later ones are refused, and
@@ -24,9 +26,9 @@ from ..errors import EngineBroken, LlamabatchError
 from .batch_runs import BatchRun
 
 
-# A client whose stream has this many events it has not read has stopped reading: its
+# A client whose stream has this many steps' events it has not read has stopped reading: its
 # sequences are cancelled rather than generated into a buffer nobody empties.
-MAX_UNREAD_EVENTS = 256
+MAX_UNREAD_STEPS = 256
 
 
 class QueueFull(LlamabatchError):
@@ -43,10 +45,10 @@ class EngineUnavailable(LlamabatchError):
 
 @dataclass(eq=False)
 class Submission:
-    """One caller's sequences, and the queue their events arrive on."""
+    """One caller's sequences, and the queue their events arrive on (a list per step)."""
 
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[list[Event]] = field(default_factory=asyncio.Queue)
     sequences: list[Sequence] = field(default_factory=list)
     submitted: asyncio.Future | None = None  # resolves once the engine has taken the prompts
     n_open: int = 0  # sequences that will send events: counted when taken, before any step runs
@@ -67,12 +69,22 @@ class PoolingSubmission:
 
 
 @dataclass
+class StepReport:
+    """What one engine step did, summed for the metrics: they are updated once a step."""
+
+    n_sequences: int  # in its llama_decode
+    seconds: float
+    tokens: dict[str, int] = field(default_factory=dict)  # tokens sampled, by priority class
+    first_tokens: list[tuple[str, float]] = field(default_factory=list)  # (class, seconds since submitted) of each first token
+    gaps: list[float] = field(default_factory=list)  # seconds since each sequence's previous token
+    finished: list[Sequence] = field(default_factory=list)
+
+
+@dataclass
 class Observer:
     """Hooks the worker calls from its thread (the server feeds its metrics from them)."""
 
-    on_step: Callable[[int, float], None] = lambda n_sequences, seconds: None
-    on_token: Callable[[Sequence, float | None], None] = lambda seq, since_last: None
-    on_finish: Callable[[Sequence], None] = lambda seq: None
+    on_step: Callable[[StepReport], None] = lambda report: None
 
 
 class EngineWorker:
@@ -198,7 +210,7 @@ class EngineWorker:
             seq.finish_reason, seq.error = "error", self.broken
             self._forget(seq)
             event = Event(seq.index, None, "", "error", self.broken, seq.sample, seq.uid)
-            submission.loop.call_soon_threadsafe(submission.events.put_nowait, event)
+            submission.loop.call_soon_threadsafe(submission.events.put_nowait, [event])
         self._drain_inbox(block=False)  # submissions already queued are refused by _take
         for pooling in self._pooling:
             pooling.loop.call_soon_threadsafe(_resolve, pooling.done, EngineUnavailable(self.broken))
@@ -262,7 +274,7 @@ class EngineWorker:
             event = self.engine.cancel(seq)
             if event is not None:
                 self._forget(seq)
-                submission.loop.call_soon_threadsafe(submission.events.put_nowait, event)
+                submission.loop.call_soon_threadsafe(submission.events.put_nowait, [event])
 
     def _run_pooling(self) -> None:
         """Every waiting embedding (and rerank) request, packed together into as few decodes as
@@ -295,43 +307,58 @@ class EngineWorker:
         started = time.perf_counter()
         events = self.engine.step()
         now = time.perf_counter()
-        self.observer.on_step(self.engine.stats.sequence_slots - slots_before, now - started)
+        report = StepReport(self.engine.stats.sequence_slots - slots_before, now - started)
+        deliveries: dict[asyncio.AbstractEventLoop, dict[Submission, list[Event]]] = {}
         for event in events:
-            self._deliver(event, now)
+            owner = self._owners.get(event.uid)
+            if owner is None:
+                self._deliver_to_batch(event, now, report)
+                continue
+            submission, seq = owner
+            self._observe(seq, event, now, report)
+            deliveries.setdefault(submission.loop, {}).setdefault(submission, []).append(event)
+        for loop, lists in deliveries.items():
+            loop.call_soon_threadsafe(_put_each, lists)
+            for submission in lists:
+                if submission.events.qsize() > MAX_UNREAD_STEPS:
+                    self._cancel(submission)
+        self.observer.on_step(report)
 
-    def _deliver(self, event: Event, now: float) -> None:
-        owner = self._owners.get(event.uid)
-        if owner is None:
-            self._deliver_to_batch(event, now)
-            return
-        submission, seq = owner
-        self._observe(seq, event, now)
-        if event.finish_reason is not None:
-            self._forget(seq)
-        submission.loop.call_soon_threadsafe(submission.events.put_nowait, event)
-        if submission.events.qsize() > MAX_UNREAD_EVENTS:
-            self._cancel(submission)
-
-    def _deliver_to_batch(self, event: Event, now: float) -> None:
+    def _deliver_to_batch(self, event: Event, now: float, report: StepReport) -> None:
         for run in self._batches:
             seq = run.job.runner.sequence(event.uid)
             if seq is not None:
-                self._observe(seq, event, now)
+                self._observe(seq, event, now, report)
                 if event.finish_reason is not None:
-                    self._forget(seq)
                     self._each_batch(BatchRun.on_event, [run], event)
                 return
 
-    def _observe(self, seq: Sequence, event: Event, now: float) -> None:
+    def _observe(self, seq: Sequence, event: Event, now: float, report: StepReport) -> None:
         if event.token is not None:
+            cls = seq.priority_class
+            report.tokens[cls] = report.tokens.get(cls, 0) + 1
             last = self._last_token_at.get(event.uid)
-            self.observer.on_token(seq, None if last is None else now - last)
+            if last is None:
+                report.first_tokens.append((cls, now - seq.t_submitted))
+            else:
+                report.gaps.append(now - last)
             self._last_token_at[event.uid] = now
+        if event.finish_reason is not None:
+            self._forget(seq, report)
 
-    def _forget(self, seq: Sequence) -> None:
+    def _forget(self, seq: Sequence, report: StepReport | None = None) -> None:
         self._owners.pop(seq.uid, None)
         self._last_token_at.pop(seq.uid, None)
-        self.observer.on_finish(seq)
+        if report is None:  # outside a step (cancelled, the engine broke): a report of its own
+            self.observer.on_step(StepReport(0, 0.0, finished=[seq]))
+        else:
+            report.finished.append(seq)
+
+
+def _put_each(lists: dict[Submission, list[Event]]) -> None:
+    """On the event loop: each submission's events of one step, as one item of its queue."""
+    for submission, events in lists.items():
+        submission.events.put_nowait(events)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None, result=None) -> None:
