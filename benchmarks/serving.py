@@ -81,7 +81,10 @@ def batched(gguf: Path, n: int, per_client: int, args, tmp: Path) -> dict:
     prompts = tmp / f"prompts-{n}.txt"
     prompts.write_text("".join(f"{prompt}\n" for i in range(n) for prompt, _ in client_requests(i, per_client)))
     sampling = ["--temperature", args.temperature, "--top-k", 0, "--min-p", 0, "--top-p", 1 if args.top_p is None else args.top_p]
-    _, output = run_command(cli("batch", prompts, "-o", tmp / f"out-{n}.jsonl", "--model", gguf, "--parallel", n,
+    out = tmp / f"out-{n}.jsonl"
+    for old in tmp.glob(f"{out.name}*"):  # a job rerun would skip the lines already written: start afresh
+        old.unlink()
+    _, output = run_command(cli("batch", prompts, "-o", out, "--model", gguf, "--parallel", n,
                                 "--ctx", 256 * n, "-t", args.threads, "--max-tokens", args.max_tokens, "--ignore-eos",
                                 *sampling, "--json"))
     summary = json_lines(output)[-1]["summary"]
