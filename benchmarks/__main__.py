@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv[1:])
     if args.smoke:  # the smoke sizes, then whatever the command line gives
         args = parser.parse_args(bench.SMOKE + argv[1:])
-    report = Report(name, shlex.join(["python", "-m", "benchmarks", *argv]), args.smoke)
+    report = Report(name, shlex.join(["python", "-m", "benchmarks", *_without_out(argv)]), args.smoke)
     bench.run(args, report)
     if args.smoke and args.out is None:
         folder = Path(tempfile.mkdtemp(prefix="llamabatch-smoke-"))
@@ -61,6 +61,19 @@ def main(argv: list[str]) -> int:
         folder = args.out or RESULTS
     print(f"results: {report.write(folder)}", file=sys.stderr)
     return 0
+
+
+def _without_out(argv: list[str]) -> list[str]:
+    """The command as the results file records it: where this run wrote it is this machine's business."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--out="):
+            skip = False
+            continue
+        skip = arg == "--out"
+        if not skip:
+            kept.append(arg)
+    return kept
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 For each benchmark, docs/results/NAME.md shows every results file of it (newest first), each with
 the machine it ran on and the command that reproduces it, so a figure that varies between
 machines is shown from each. The sweep's points are also drawn (docs/results/sweep.png).
-The docs build runs this too (docs/hooks.py), so the pages never drift from the files.
+The docs build runs this too (scripts/mkdocs_hooks.py), so the pages never drift from the files.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import os
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -13,6 +14,8 @@ from pathlib import Path
 from .errors import ModelError
 
 GGUF_MAGIC = b"GGUF"
+# The catalog every command and BatchEngine reads when not given one (--config, catalog=).
+CATALOG_ENV = "LLAMABATCH_CATALOG"
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,9 @@ class Catalog:
 
     @classmethod
     def load(cls, path: Path | str | None = None) -> Catalog:
-        """Read a models.toml; without a path, the one packaged with llamabatch."""
+        """Read a models.toml; without a path, the one $LLAMABATCH_CATALOG names, else the one
+        packaged with llamabatch."""
+        path = path or os.environ.get(CATALOG_ENV) or None
         if path is None:
             text = resources.files("llamabatch").joinpath("models.toml").read_text()
             base, source = None, None

@@ -102,6 +102,9 @@ def test_listing_pages_as_openai_does(api):
     assert [b.id for b in first.data] == ids[::-1][:2] and first.has_more
     assert [b.id for b in client.batches.list(limit=1, after=ids[1]).data] == [ids[0]]  # newest first, then older
     assert source.id in [f.id for f in client.files.list(purpose="batch")]
+    for listing, noun in ((client.files.list, "file"), (client.batches.list, "batch")):
+        with pytest.raises(openai.BadRequestError, match=f"after: no {noun} with id 'gone'"):
+            listing(after="gone")
     for batch_id in ids:
         wait(client, batch_id)
 

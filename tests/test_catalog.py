@@ -14,6 +14,16 @@ def test_packaged_catalog_has_the_default_model():
     assert spec.is_available()
 
 
+def test_the_environment_names_the_catalog_when_none_is_given(tmp_path, tiny_model, monkeypatch):
+    """$LLAMABATCH_CATALOG stands in for --config (the docs' examples run on the tiny model so)."""
+    (tmp_path / "models.toml").write_text(f'default = "mine"\n[models.mine]\npath = "{tiny_model}"\nparallel = 3\n')
+    monkeypatch.setenv("LLAMABATCH_CATALOG", str(tmp_path / "models.toml"))
+    assert Catalog.load().resolve(None).parallel == 3
+    monkeypatch.setenv("LLAMABATCH_CATALOG", str(tmp_path / "gone.toml"))
+    with pytest.raises(ModelError, match="catalog file not found: .*gone.toml"):
+        Catalog.load()
+
+
 def test_unknown_name_lists_the_known_ones():
     with pytest.raises(ModelError, match=r"unknown model 'llama-9000'.*gemma3-270m"):
         Catalog.load().resolve("llama-9000")

@@ -11,7 +11,7 @@ import pytest
 import llamabatch.engine.native as native
 from llamabatch import SamplingParams
 from llamabatch.measure.determinism import verify
-from llamabatch import ConfigError
+from llamabatch import ConfigError, PromptError
 from llamabatch.engine.scheduler import Filler, Scheduler
 from llamabatch.engine.sequence import Sequence
 
@@ -30,6 +30,14 @@ def test_every_prompt_alone_equals_it_in_any_batch(tiny_model, params):
     # bit for bit: the tiny model's F32 weights go through llamafile's sgemm from 2 rows and
     # ggml's vec_dot for 1, so this fails unless every lone decode row gets a filler
     assert all(c.logprobs_identical for c in checks), [c for c in checks if not c.logprobs_identical]
+
+
+@pytest.mark.fresh_process
+def test_a_prompt_too_long_for_the_check_names_the_option_that_fits_it(tiny_model):
+    """verify-determinism sizes every engine by --ctx-per-seq: that is what its error suggests."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with pytest.raises(PromptError, match=r"prompt 4 is 402 tokens: with --max-tokens 24 it needs 426 KV cells, more than --ctx-per-seq 256: raise --ctx-per-seq"):
+        verify(PROMPTS, [2], params, model=tiny_model, n_threads=2, ctx_per_seq=256)
 
 
 @pytest.mark.fresh_process

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -114,6 +115,19 @@ def test_a_build_without_rpc_is_told_how_to_rebuild(monkeypatch):
 
 
 # -- against real servers ---------------------------------------------------------------
+
+
+@needs_rpc
+def test_an_rpc_server_that_cannot_listen_says_why():
+    """Not an address of this host, or a port in use: named, not guessed."""
+    foreign = cli("rpc-server", "--host", "192.0.2.1", "--port", free_port())  # TEST-NET-1: nobody's
+    assert foreign.returncode == 1 and "192.0.2.1 is not an address of this host" in foreign.stderr, foreign.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = cli("rpc-server", "--host", "127.0.0.1", "--port", port)
+    assert busy.returncode == 1 and f"port {port} is taken" in busy.stderr, busy.stderr
 
 
 @needs_rpc

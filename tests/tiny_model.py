@@ -289,3 +289,9 @@ def write_tiny_family(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+if __name__ == "__main__":  # python tests/tiny_model.py tiny.gguf: the model the docs' examples name
+    import sys
+
+    print(write_tiny_model(Path(sys.argv[1])))

@@ -176,6 +176,7 @@ def verify_determinism(
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy; above, seeded sampling.")] = 0.0,
     seed: int = 1,
+    ctx_per_seq: Annotated[int, typer.Option("--ctx-per-seq", min=1, help="KV cells of each sequence, alone and in every batch: a prompt and its --max-tokens must fit.")] = 1024,
     deterministic: Annotated[bool, typer.Option("--deterministic/--no-deterministic", help="Check the deterministic mode, or llama.cpp's defaults.")] = True,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
@@ -189,7 +190,7 @@ def verify_determinism(
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
     checks = verify(
         read_prompts(prompts), list(int_list(batch_sizes, "--batch-sizes")), params, deterministic=deterministic,
-        model=model, catalog=config, n_threads=threads, verbose=verbose,
+        ctx_per_seq=ctx_per_seq, model=model, catalog=config, n_threads=threads, verbose=verbose,
     )
     if json_out:
         for check in checks:

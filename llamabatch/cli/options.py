@@ -19,7 +19,7 @@ from ..errors import LlamabatchError
 DEFAULT = SamplingParams()
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Catalog name or path to a .gguf file.")]
-CatalogOpt = Annotated[Optional[Path], typer.Option("--config", help="models.toml to use instead of the packaged one.")]
+CatalogOpt = Annotated[Optional[Path], typer.Option("--config", help="models.toml to use instead of the packaged one (or $LLAMABATCH_CATALOG).")]
 ParallelOpt = Annotated[
     Optional[str],
     typer.Option("--parallel", "-np", metavar="N|auto", help="Sequences decoded together (slots), or 'auto': as many as fit --memory, each with --ctx-per-seq cells."),

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -132,6 +134,9 @@ def rpc_server(
     from ..engine import rpc
 
     rpc.require_rpc()
+    problem = _cannot_listen(host, port)
+    if problem:  # ggml's server says only that it failed: find out why first
+        raise LlamabatchError(f"rpc-server cannot listen on {host}:{port}: {problem}")
     init_backend(False)
     # ggml's server loop returns only when it cannot listen: run it on a thread, so that Ctrl-C
     # still ends the process.
@@ -142,4 +147,21 @@ def rpc_server(
             server.join(0.5)
     except KeyboardInterrupt:
         return
-    raise LlamabatchError(f"rpc-server could not listen on {host}:{port} (is the port taken?)")
+    raise LlamabatchError(f"rpc-server could not listen on {host}:{port}")
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why this process could not listen on host:port, or None when it can."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, port))
+    except socket.gaierror as e:
+        return f"{host!r} is not a host name or address ({e.strerror})"
+    except OSError as e:
+        if e.errno == errno.EADDRNOTAVAIL:
+            return f"{host} is not an address of this host"
+        if e.errno == errno.EADDRINUSE:
+            return f"port {port} is taken"
+        return e.strerror or str(e)
+    return None

@@ -47,6 +47,12 @@ def verify(
     params = replace(params, logprobs=0)
     with BatchEngine(n_parallel=1, n_ctx=ctx_per_seq, deterministic=deterministic, **engine) as solo:
         lengths = [len(solo.tokenize_prompt(p)) for p in prompts]
+        longest = max(range(len(prompts)), key=lengths.__getitem__)
+        if lengths[longest] + params.max_tokens > ctx_per_seq:
+            raise PromptError(
+                f"prompt {longest + 1} is {lengths[longest]} tokens: with --max-tokens {params.max_tokens} it needs "
+                f"{lengths[longest] + params.max_tokens} KV cells, more than --ctx-per-seq {ctx_per_seq}: raise --ctx-per-seq"
+            )
         alone = [_outputs(solo.submit([p], params), solo)[0] for p in prompts]
     checks = []
     for parallel in parallels:

@@ -289,19 +289,22 @@ def _native_gpu_layers(gpu_layers: int) -> str:
 
 
 # llama.cpp's tools print their results through the log thread, which is not flushed at exit
-# (llama.cpp issue 22142): here about half of the runs of a fast model lost them (tables and
-# JSON Lines alike), and now and then a longer run. Such a run is repeated.
+# (llama.cpp issue 22142): a fast run lost its row 17 times in 20 here (the tiny model, B = 32).
+# So a short B = 1 run follows ours, keeping the tool alive until our row is out, and is dropped;
+# a run that still lost it is repeated.
 NATIVE_ATTEMPTS = 10
 
 
 def native_run(engine: BatchEngine, settings: SweepSettings, b: int) -> dict:
     """One llama-batched-bench run of batch size b with settings identical to ours; its JSON row."""
     command = [*native_command(engine, settings, b), "--output-format", "jsonl"]
+    command[command.index("-npl") + 1] = f"{b},1"
     for _ in range(NATIVE_ATTEMPTS):
         done = subprocess.run(command, capture_output=True, text=True)
-        rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        rows = [row for line in done.stdout.splitlines() if line.startswith("{") and (row := json.loads(line))["pl"] == b]
         if done.returncode != 0 or rows:
             break
     if done.returncode != 0 or not rows:
-        raise LlamabatchError(f"llama-batched-bench failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+        why = done.stderr.strip()[-500:] if done.returncode else f"no result printed in {NATIVE_ATTEMPTS} runs"
+        raise LlamabatchError(f"llama-batched-bench failed ({done.returncode}): {why}")
     return rows[0]

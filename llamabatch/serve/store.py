@@ -49,6 +49,9 @@ class NotFound(LlamabatchError):
     """No file or batch has that id."""
 
 
+ROW_NOUN = {"files": "file", "batches": "batch"}  # what a row of each table is called in messages
+
+
 def default_data_dir() -> Path:
     """$XDG_DATA_HOME/llamabatch, else ~/.local/share/llamabatch."""
     base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
@@ -207,7 +210,7 @@ class Store:
             if after is not None:
                 cursor = db.execute(f"SELECT rowid FROM {table} WHERE id = ?", (after,)).fetchone()
                 if cursor is None:  # a bad cursor is the caller's mistake, not a missing resource
-                    raise LlamabatchError(f"after: no {table.removesuffix('es').removesuffix('s')} with id {after!r}")
+                    raise LlamabatchError(f"after: no {ROW_NOUN[table]} with id {after!r}")
                 where, args = f"{where} AND rowid {cmp} ?", [*args, cursor[0]]
             rows = db.execute(f"SELECT * FROM {table} WHERE {where} ORDER BY rowid {order} LIMIT ?", (*args, limit + 1)).fetchall()
         return rows[:limit], len(rows) > limit
