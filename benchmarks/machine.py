@@ -10,6 +10,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from llamabatch.engine.tuning import cpu_model
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -20,7 +22,7 @@ def machine() -> dict:
     llama_cpp.llama_backend_init()
     return {
         "host": platform.node(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "gpu": _gpu(),
@@ -33,16 +35,6 @@ def machine() -> dict:
         "llamabatch_commit": os.environ.get("LLAMABATCH_COMMIT") or _git("rev-parse", "--short", "HEAD"),
         "llamabatch_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _gpu() -> str | None:

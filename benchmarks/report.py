@@ -2,7 +2,7 @@
 
 For each benchmark, docs/results/NAME.md shows every results file of it (newest first), each with
 the machine it ran on and the command that reproduces it, so a figure that varies between
-machines is shown from each. The sweep's points are also drawn (docs/results/sweep.png).
+machines is shown from each. The sweep's points are also drawn (docs/results/sweep.png), and tune's curve (docs/results/tune.png).
 The docs build runs this too (scripts/mkdocs_hooks.py), so the pages never drift from the files.
 """
 
@@ -62,6 +62,14 @@ def sweep_plot(data: dict, path: Path) -> None:
     draw(points, path, title=f"{data['command']} ({data['machine']['cpu']}, {data['machine']['cores']} cores)")
 
 
+def tune_plot(data: dict, path: Path) -> None:
+    from llamabatch.engine.tuning import Tuning
+    from llamabatch.measure.plot import tune_plot as draw
+
+    measured = Tuning.from_dict(data["figures"]["tuning"])
+    draw(measured, next(p for p in measured.points if p.batch_size == data["figures"]["tuning"]["chosen"]), path)
+
+
 README = ROOT / "README.md"
 START, END = "<!-- results: made by python -m benchmarks report -->", "<!-- /results -->"
 
@@ -107,6 +115,9 @@ def write(docs: Path = DOCS, folder: Path = RESULTS) -> list[Path]:
         if name == "sweep":
             sweep_plot(runs[0], docs / "sweep.png")
             written.append(docs / "sweep.png")
+        if name == "tune":
+            tune_plot(runs[0], docs / "tune.png")
+            written.append(docs / "tune.png")
     return written
 
 

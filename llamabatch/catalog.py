@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 from .errors import ModelError
 
 GGUF_MAGIC = b"GGUF"
+FINGERPRINT_BYTES = 4 << 20  # read at each end of a model file: its header, and its last tensors
 # The catalog every command and BatchEngine reads when not given one (--config, catalog=).
 CATALOG_ENV = "LLAMABATCH_CATALOG"
 
@@ -153,3 +155,15 @@ def _adapters(model: str, table: object, base: Path | None) -> tuple[AdapterSpec
             raise ModelError(f"model {model!r} in catalog: adapter {name!r} has a scale that is not a number")
         specs.append(AdapterSpec(name, _relative_to(base, entry["path"]), float(scale)))
     return tuple(specs)
+
+
+def model_fingerprint(path: Path) -> str:
+    """A model file's identity, cheap for a file of many gigabytes: its size, and a digest of
+    its first and last 4 MiB (the GGUF header with its metadata and vocabulary, and tensor data)."""
+    size = path.stat().st_size
+    h = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        h.update(f.read(FINGERPRINT_BYTES))
+        f.seek(max(0, size - FINGERPRINT_BYTES))
+        h.update(f.read(FINGERPRINT_BYTES))
+    return f"{size}:{h.hexdigest()}"

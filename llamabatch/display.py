@@ -29,6 +29,11 @@ def error_line(message: str) -> None:
     err.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
 
 
+def note(message: str) -> None:
+    """A line on stderr about what the command does (not a result, not an error)."""
+    err.print(Text(message, style="dim"), soft_wrap=True)
+
+
 def json_line(obj: dict) -> None:
     sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
 
@@ -149,10 +154,28 @@ def batch_summary(summary, output, errors) -> None:
         ("completion tokens", f"{s.completion_tokens:,}"),
         ("decode calls", f"{s.decode_calls:,}"),
         ("mean active sequences", f"{s.mean_active_sequences:.2f}"),
-        ("wall", f"{s.wall_s:.2f} s"),
+        ("wall", f"{s.wall_s:.2f} s" + (f" (estimated {s.estimated_s:.1f} s)" if s.estimated_s is not None else "")),
         ("tokens/s", f"{s.tokens_per_s:,.1f}"),
         ("output", str(output)),
         ("errors", str(errors)),
+    ])
+
+
+def job_estimate(e, brief: bool = False) -> None:
+    """`batch --estimate` (a table), and the line every batch starts with (brief, on stderr)."""
+    expected = "unknown: no batch size measured for this model and these settings (llamabatch tune)" if e.seconds is None \
+        else f"{_duration(e.seconds)} ({e.seconds:.1f} s, from llamabatch tune's measurement)"
+    if brief:
+        note(f"job: {e.requests:,} requests, {e.prompt_tokens:,} prompt tokens, at most {e.max_new_tokens:,} new tokens; "
+             f"--parallel {e.parallel}, KV cache {e.kv_bytes * _MIB:.0f} MiB; expected time {expected}")
+        return
+    _key_values("job estimate", [
+        ("requests", f"{e.requests:,}" + (f" (and {e.bad_lines:,} lines that would fail)" if e.bad_lines else "")),
+        ("prompt tokens", f"{e.prompt_tokens:,}"),
+        ("new tokens, at most", f"{e.max_new_tokens:,}"),
+        ("parallel", str(e.parallel)),
+        ("KV cache", f"{e.kv_bytes * _MIB:.0f} MiB"),
+        ("expected time", expected),
     ])
 
 
@@ -309,6 +332,22 @@ def _table(points: list, columns: list, title: str) -> Table:
     for p in points:
         table.add_row(*("-" if getattr(p, key) is None else fmt.format(getattr(p, key) * scale) for _, key, fmt, scale in shown))
     return table
+
+
+def tune_table(tuning, chosen, max_itl_s: float | None, job: tuple[float, float] | None = None) -> None:
+    """The measured curve, the chosen batch size marked."""
+    table = Table(title="decode throughput and inter-token latency against batch size", title_justify="left", box=box.SIMPLE_HEAD)
+    for header in ("B", "S_TG tok/s", "S_PP tok/s", "ITL p50", "ITL p95", ""):
+        table.add_column(header, justify="right", no_wrap=True)
+    for p in tuning.points:
+        mark = "chosen" if p is chosen else ("over --max-itl" if max_itl_s is not None and p.itl_p95_s > max_itl_s else "")
+        table.add_row(str(p.batch_size), f"{p.s_tg:.1f}", f"{p.s_pp:.0f}", f"{p.itl_p50_s * 1e3:.1f} ms", f"{p.itl_p95_s * 1e3:.1f} ms", mark)
+    wide.print(table)
+    budget = f" within p95 {max_itl_s * 1e3:.0f} ms between tokens" if max_itl_s is not None else ""
+    best = (f"the soonest end of the job ({job[0]:.0f} prompt and {job[1]:.0f} new tokens a request, prefill counted)"
+            if job else "the highest decode throughput")
+    wide.print(f"batch size {chosen.batch_size}: {best}{budget} "
+               f"({tuning.prompt_tokens}-token prompts; measured in {tuning.seconds:.1f} s, stored as {tuning.key})")
 
 
 def determinism_table(checks: list, deterministic: bool) -> None:

@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,9 @@ from tiny_model import write_tiny_model
 # engine is marked fresh_process and runs alone in a new interpreter, as `llamabatch
 # --deterministic` runs, where the engine sets the switch itself before anything decodes.
 FRESH_PROCESS = "LLAMABATCH_TEST_FRESH_PROCESS"
+# --parallel auto measures the batch size once per model and settings (llamabatch tune) and
+# stores it: the suite's measurements go to a folder of its own, not the user's cache.
+os.environ.setdefault("LLAMABATCH_TUNE_DIR", tempfile.mkdtemp(prefix="llamabatch-tune-"))
 
 
 @pytest.hookimpl(tryfirst=True)

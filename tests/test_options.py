@@ -37,8 +37,11 @@ def test_options_that_would_be_ignored_or_read_two_ways_are_refused(tiny_model, 
 
 
 def test_parallel_auto_plans_each_sequences_context_within_the_budget(tiny_model):
-    kwargs = EngineOptions(model=tiny_model, parallel="auto", ctx_per_seq=256, memory="2GiB").engine_kwargs(n_sequences=5)
-    assert kwargs["n_parallel"] == 5 and kwargs["n_ctx"] == 5 * 256  # never more slots than sequences
+    options = EngineOptions(model=tiny_model, parallel="auto", ctx_per_seq=256, memory="2GiB", threads=2)
+    kwargs = options.engine_kwargs(n_sequences=5)
+    measured = options.stored_tuning().choose().batch_size  # engine_kwargs measured it, or found it stored
+    # the measured batch size, never more slots than sequences
+    assert kwargs["n_parallel"] == min(measured, 5) and kwargs["n_ctx"] == kwargs["n_parallel"] * 256
 
 
 @pytest.mark.parametrize("command", [

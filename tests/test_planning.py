@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from llamabatch import BatchEngine
 from llamabatch.cli import app
 from llamabatch.engine.config import parse_size
+from llamabatch.engine.options import EngineOptions
 from llamabatch.engine.planning import KvShape, plan, plan_for
 
 CONFIGS = [  # (n_ctx, n_parallel, kv_unified, n_ubatch)
@@ -69,12 +70,13 @@ def test_plan_cli_checks_its_estimate_against_llama_cpp(tiny_model):
     assert within_5_percent(row["kv_bytes"], row["allocated_kv_bytes"])
 
 
-def test_run_parallel_auto_takes_one_slot_per_sequence_when_memory_allows(tiny_model):
+def test_run_parallel_auto_takes_the_measured_batch_size_and_no_more_slots_than_sequences(tiny_model):
     result = CliRunner().invoke(app, ["run", "-m", str(tiny_model), "-p", "a", "-p", "b", "-n", "2", "--parallel", "auto",
                                       "--max-tokens", "3", "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.splitlines()[-1])["summary"]
-    assert summary["parallel"] == 4 and summary["decode_calls"] == 3
+    measured = EngineOptions(model=tiny_model).stored_tuning().choose().batch_size
+    assert summary["parallel"] == min(measured, 4)  # the measured batch size, at most one slot per sequence
 
 
 def test_bad_parallel_and_memory_values_are_named():

@@ -12,7 +12,7 @@ app = typer.Typer(
     help="True batched inference for llama.cpp: many sequences, one llama_decode per step.",
 )
 for command in (
-    generate.run, jobs.batch, jobs.embed, generate.score, measure.models, measure.plan, measure.sweep,
+    generate.run, jobs.batch, jobs.embed, generate.score, measure.models, measure.plan, measure.sweep, measure.tune,
     serving.serve, serving.rpc_server, measure.verify_determinism,
 ):
     app.command()(command)

@@ -30,6 +30,9 @@ def batch(
     errors: Annotated[Optional[Path], typer.Option("--errors", help="Failed requests (default: OUTPUT.errors.jsonl).")] = None,
     retry_errors: Annotated[bool, typer.Option("--retry-errors", help="Run the requests in the error file again.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start afresh instead of resuming.")] = False,
+    estimate_only: Annotated[bool, typer.Option(
+        "--estimate", help="Print the job's size and expected time (from llamabatch tune's measurement, made first when none is stored), and run nothing.",
+    )] = False,
     incomplete_errors: Annotated[bool, typer.Option(
         "--incomplete-errors", help="Answers whose structured output was cut by --max-tokens go to the error file, not the output.",
     )] = False,
@@ -85,6 +88,8 @@ def batch(
 ) -> None:
     """Run a job file of any size: results stream to OUTPUT as they finish; a rerun resumes."""
     from ..jobs.batch_job import BatchJob, stop_on_signals
+    from ..jobs.estimate import estimate
+    from ..jobs.inputs import STDIN
 
     given = dict(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -97,15 +102,29 @@ def batch(
         raise LlamabatchError("--replicas runs engines on Ray: add --ray local|auto|ADDRESS, or drop --replicas")
     if ray is not None and parallel == AUTO:
         raise LlamabatchError("--parallel auto plans for this machine's memory, not the Ray actors': give --parallel N")
-    engine_options = EngineOptions.of(context.params).engine_kwargs()
+    options = EngineOptions.of(context.params)
+    engine_options = options.engine_kwargs()
+    if estimate_only and (ray is not None or input == STDIN):
+        raise LlamabatchError("--estimate reads the input file before the job: not with --ray or standard input")
     if ray is not None:
         summary, job = _batch_on_ray(ray, parse_replicas(replicas), engine_options, input, output, errors, base, retry_errors,
                                      overwrite, incomplete_errors)
         described = {"model": job.settings["model"], "replicas": replicas or "1", "ray": ray, **summary.to_dict()}
     else:
+        tuned = options.tuning(engine_options["n_parallel"], say=display.note) if estimate_only else options.stored_tuning()
         with BatchEngine(**engine_options) as engine:
+            guess = None if input == STDIN else estimate(engine, input, base, tuned)
+            if estimate_only:
+                if json_out:
+                    display.json_line({"estimate": guess.to_dict()})
+                else:
+                    display.job_estimate(guess)
+                return
+            if guess is not None:
+                display.job_estimate(guess, brief=True)
             job = BatchJob(engine, input, output, errors=errors, base=base, retry_errors=retry_errors, overwrite=overwrite,
                            incomplete_errors=incomplete_errors)
+            job.summary.estimated_s = guess and guess.seconds
             with stop_on_signals(job), display.BatchProgress(job.summary) as progress:
                 job.on_progress = progress.update
                 summary = job.run()

@@ -13,12 +13,13 @@ from ..catalog import Catalog, ModelSpec
 from ..engine import BatchEngine, EngineConfig, SamplingParams
 from ..engine.planning import plan_for
 from ..engine.native import Model, init_backend
+from ..engine import tuning
 from ..engine.options import EngineOptions, memory_budget
 from ..errors import LlamabatchError
 from ..measure import sweep as sweep_bench
 from .options import (
     BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, DeterministicOpt, DraftModelOpt, FlashAttnOpt, GpuLayersOpt,
-    JsonOpt, KvUnifiedOpt, LoraOpt, ModelOpt, RpcOpt, RpcTimeoutOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt,
+    JsonOpt, KvUnifiedOpt, LoraOpt, MemoryOpt, ModelOpt, RpcOpt, RpcTimeoutOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt,
     UbatchOpt, VerboseOpt, int_list, reports_errors,
 )
 
@@ -165,6 +166,65 @@ def _sweep(
         for point in points:
             display.json_line(point.to_dict())
     return points, title
+
+
+@reports_errors
+def tune(
+    context: typer.Context,
+    model: ModelOpt = None,
+    config: CatalogOpt = None,
+    max_itl: Annotated[Optional[str], typer.Option("--max-itl", help="Choose the fastest batch size whose p95 time between a sequence's tokens stays within this, e.g. 150ms.")] = None,
+    max_batch: Annotated[Optional[int], typer.Option("--max-batch", min=1, help="Largest batch size to try (default: what fits --memory, at most 256).")] = None,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=1, help="Prompt tokens per sequence: the prefill rate, and the context decode steps attend to.")] = 32,
+    job: Annotated[Optional[Path], typer.Option("--job", help="A batch job file: measure with its mean prompt length, and choose the size that runs it soonest, prefill counted.")] = None,
+    memory: MemoryOpt = None,
+    again: Annotated[bool, typer.Option("--again", help="Measure even when a measurement is stored.")] = False,
+    batch_size: BatchOpt = None,
+    ubatch_size: UbatchOpt = None,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    lora: LoraOpt = None,
+    cache_type_k: CacheTypeKOpt = None,
+    cache_type_v: CacheTypeVOpt = None,
+    flash_attn: FlashAttnOpt = None,
+    kv_unified: KvUnifiedOpt = None,
+    json_out: JsonOpt = False,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Also draw throughput and inter-token latency against B into this PNG.")] = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Measure decode throughput and inter-token latency against batch size; choose and store the best."""
+    if plot is not None:
+        from ..measure import plot as plotting  # matplotlib is an extra: say so before measuring
+    options = EngineOptions.of(context.params)
+    shape = _job_shape(options, job) if job is not None else None
+    if shape is not None:
+        prompt_tokens = max(1, round(shape[0]))
+    if max_batch is None:
+        planned, _ = plan_for(model, catalog=config, ctx_per_seq=-(-(prompt_tokens + tuning.GEN_TOKENS + 1) // 256) * 256, memory=memory_budget(memory), kv_unified=kv_unified is not False,
+                              n_ubatch=ubatch_size, cache_type_k=cache_type_k, cache_type_v=cache_type_v, rpc=rpc, verbose=verbose)
+        max_batch = planned.n_parallel
+    found = options.tuning(max_batch, say=display.note, again=again, prompt_tokens=prompt_tokens)
+    itl = options.max_itl_s
+    chosen = found.choose(itl, job=shape)
+    if json_out:
+        display.json_line({**found.to_dict(), "chosen": chosen.batch_size, "max_itl_s": itl, "job": shape})
+    else:
+        display.tune_table(found, chosen, itl, shape)
+    if plot is not None:
+        plotting.tune_plot(found, chosen, plot)
+
+
+def _job_shape(options: EngineOptions, job: Path) -> tuple[float, float]:
+    """A job's mean prompt tokens and most new tokens per request, tokenized as the job would be."""
+    from ..jobs.estimate import estimate
+
+    with BatchEngine(**options.engine_kwargs_for(1)) as engine:
+        counted = estimate(engine, job, None, None)
+    if not counted.requests:
+        raise LlamabatchError(f"--job {job}: no request in it to measure with")
+    return counted.prompt_tokens / counted.requests, counted.max_new_tokens / counted.requests
 
 
 @reports_errors

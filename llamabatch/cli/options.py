@@ -22,8 +22,9 @@ ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Catalog 
 CatalogOpt = Annotated[Optional[Path], typer.Option("--config", help="models.toml to use instead of the packaged one (or $LLAMABATCH_CATALOG).")]
 ParallelOpt = Annotated[
     Optional[str],
-    typer.Option("--parallel", "-np", metavar="N|auto", help="Sequences decoded together (slots), or 'auto': as many as fit --memory, each with --ctx-per-seq cells."),
+    typer.Option("--parallel", "-np", metavar="N|auto", help="Sequences decoded together (slots), or 'auto': the batch size measured fastest here (llamabatch tune), within what fits --memory with --ctx-per-seq cells each."),
 ]
+MaxItlOpt = Annotated[Optional[str], typer.Option("--max-itl", help="With --parallel auto: the p95 time between a sequence's tokens to stay within, e.g. 150ms (default: the fastest batch size).")]
 MemoryOpt = Annotated[Optional[str], typer.Option("--memory", help="With --parallel auto: the memory to plan for, e.g. 4GiB (default: what is free now).")]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", "-c", help="KV cache cells in all, shared by the slots.")]
 CtxPerSeqOpt = Annotated[Optional[int], typer.Option("--ctx-per-seq", help="KV cells per sequence: the cache is this times --parallel.")]

@@ -21,7 +21,7 @@ from ..errors import LlamabatchError
 from .options import (
     BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CtxOpt, CtxPerSeqOpt,
     DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt, MemoryOpt, ModelOpt,
-    ParallelOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SharePrefixesOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt,
+    MaxItlOpt, ParallelOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SharePrefixesOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt,
     UbatchOpt, VerboseOpt, parse_pooling, parse_replicas, reports_errors,
 )
 
@@ -38,6 +38,7 @@ def serve(
     ctx: CtxOpt = None,
     ctx_per_seq: CtxPerSeqOpt = None,
     memory: MemoryOpt = None,
+    max_itl: MaxItlOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,

@@ -201,3 +201,16 @@ def parse_size(text: str, zero: bool = False) -> int:
     if unit not in units or value < 0 or (value == 0 and not zero):
         raise ValueError(f"not a memory size: {text!r} (write e.g. 4GiB, 512MiB or 2GB)")
     return int(value * units[unit])
+
+
+def parse_duration(text: str) -> float:
+    """'150ms', '0.15s', '0.15' -> seconds (> 0)."""
+    raw = text.strip().lower()
+    scale, number = (1e-3, raw[:-2]) if raw.endswith("ms") else (1.0, raw.removesuffix("s"))
+    try:
+        value = float(number) * scale
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"not a duration: {text!r} (write e.g. 150ms or 0.15s)")
+    return value

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+import sys
 from pathlib import Path
 
 from ..catalog import Catalog
 from ..errors import ConfigError
 from .config import EngineConfig
-from .config import checkpoint_budget, parse_size
+from .config import checkpoint_budget, parse_duration, parse_size
+from . import tuning
+from .batch_engine import BatchEngine
 from .planning import plan_for
 
 AUTO = "auto"
@@ -49,6 +52,7 @@ class EngineOptions:
     tensor_split: str | None = None  # N0,N1,...
     rpc_timeout: float | None = None
     chat: bool | None = None
+    max_itl: str | None = None  # a duration (150ms): --parallel auto keeps p95 inter-token latency within it
     verbose: bool = False
 
     @classmethod
@@ -61,12 +65,22 @@ class EngineOptions:
         return self.parallel == AUTO
 
     def engine_kwargs(self, n_sequences: int | None = None) -> dict:
-        """BatchEngine's keyword arguments. With --parallel auto the slots are planned here: as
-        many of --ctx-per-seq cells as fit --memory, never more than n_sequences (when known)."""
+        """BatchEngine's keyword arguments. With --parallel auto the slots are planned here: the
+        measured batch size (`llamabatch tune`, measured first when this machine has no
+        measurement for this model and these settings), never more than fit --memory with
+        --ctx-per-seq cells each, nor more than n_sequences (when known)."""
         self._check()
         n_parallel, n_ctx = self._plan(n_sequences) if self.auto else self._slots()
+        return dict(self._settings(), n_parallel=n_parallel, n_ctx=n_ctx)
+
+    def engine_kwargs_for(self, n_parallel: int) -> dict:
+        """BatchEngine's keyword arguments for an engine of n_parallel slots of the catalog's context each."""
+        return dict(self._settings(), n_parallel=n_parallel)
+
+    def _settings(self) -> dict:
+        """BatchEngine's keyword arguments but the slots and the cache size."""
         return dict(
-            model=self.model, catalog=self.config, n_parallel=n_parallel, n_ctx=n_ctx, n_batch=self.batch_size,
+            model=self.model, catalog=self.config, n_batch=self.batch_size,
             n_ubatch=self.ubatch_size, n_threads=self.threads, gpu_layers=self.gpu_layers, kv_unified=self.kv_unified,
             share_prefixes=self.share_prefixes, deterministic=self.deterministic, speculative=self.speculative,
             draft_model=self.draft_model, draft_max=self.draft_max, checkpoint_every=self.checkpoint_every,
@@ -76,8 +90,43 @@ class EngineOptions:
             rpc_timeout=self.rpc_timeout, chat=self.chat, verbose=self.verbose,
         )
 
+    def tuning(self, max_batch: int | None = None, say=None, again: bool = False,
+               prompt_tokens: int = tuning.PROMPT_TOKENS) -> tuning.Tuning:
+        """The stored batch-size measurement for this model and these settings on this machine,
+        or (when there is none, or `again`) a new one of up to max_batch slots, stored for next
+        time. `say` hears why it measures."""
+        found = None if again else self.stored_tuning()
+        if found is not None:
+            return found
+        spec = Catalog.load(self.config).resolve(self.model)
+        if say and not again:
+            say(f"no batch size measured for {spec.name} with these settings on this machine: measuring it (llamabatch tune)")
+        n = min(max_batch or tuning.MAX_BATCH, tuning.MAX_BATCH)
+        per_seq = -(-(prompt_tokens + tuning.GEN_TOKENS + 1) // 256) * 256  # a prompt and its tokens, in llama.cpp's 256s
+        with BatchEngine(**self._settings(), n_parallel=n, n_ctx=n * per_seq) as engine:
+            measured = tuning.tune(engine, spec.gguf_path(), n, prompt_tokens=prompt_tokens)
+        tuning.save(measured)
+        return measured
+
+    def stored_tuning(self) -> tuning.Tuning | None:
+        """The measurement `tuning()` would take, if one is stored; nothing is measured."""
+        spec = Catalog.load(self.config).resolve(self.model)
+        overrides = {k: v for k, v in self._settings().items() if k not in ("model", "catalog")}
+        config = EngineConfig.for_model(spec, **{**overrides, "n_parallel": 1, "n_ctx": 256})
+        return tuning.load(tuning.settings_of(config, spec.gguf_path()))
+
+    @property
+    def max_itl_s(self) -> float | None:
+        try:
+            return None if self.max_itl is None else parse_duration(self.max_itl)
+        except ValueError as e:
+            raise ConfigError(f"--max-itl: {e}") from None
+
     def _check(self) -> None:
         """Options that this combination would ignore, or read two ways, are errors."""
+        if self.max_itl is not None and not self.auto:
+            raise ConfigError("--max-itl is the latency --parallel auto chooses for: add --parallel auto, or drop --max-itl")
+        _ = self.max_itl_s  # a bad duration is refused before anything loads
         if self.memory is not None and not self.auto:
             raise ConfigError("--memory is the budget --parallel auto plans for: add --parallel auto, or drop --memory")
         if self.ctx is not None and self.ctx_per_seq is not None:
@@ -106,7 +155,15 @@ class EngineOptions:
             cache_type_v=self.cache_type_v, rpc=self.rpc, verbose=self.verbose,
             checkpoint_memory=None if self.checkpoint_memory is None else checkpoint_budget(self.checkpoint_memory),
         )
-        return planned.n_parallel, planned.n_ctx
+        # the measured choice, cut to what fits and to the sequences there are (up to its size,
+        # more rows a step were measured to pay)
+        chosen = self.tuning(planned.n_parallel, say=_say).choose(self.max_itl_s).batch_size
+        n_parallel = min(chosen, planned.n_parallel)
+        return n_parallel, planned.n_ctx // planned.n_parallel * n_parallel
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr)
 
 
 def memory_budget(text: str | None) -> int | None:

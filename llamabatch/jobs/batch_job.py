@@ -47,6 +47,7 @@ class JobSummary:
     wall_s: float = 0.0
     stopped_by: str | None = None  # the signal that stopped the job before its end
     broken: str | None = None  # why the engine stopped the job before its end
+    estimated_s: float | None = None  # what `batch --estimate` expected, from the stored batch-size measurement
 
     @property
     def tokens_per_s(self) -> float:

@@ -5,33 +5,21 @@ engine setting is refused, naming what changed, instead of mixing two jobs in on
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..catalog import AdapterSpec
+from ..catalog import AdapterSpec, model_fingerprint
 from ..embeddings_format import EmbedSettings
 from ..engine import EngineConfig, SamplingParams
 from ..errors import LlamabatchError
 from .inputs import Format
 
-FINGERPRINT_BYTES = 4 << 20
 # Settings recorded since a later version: what an older manifest's job ran with.
-_RECORDED_SINCE = {"cache_types": ["f16", "f16"], "adapters": []}  # read at each end of a model file: its header, and its last tensors
+_RECORDED_SINCE = {"cache_types": ["f16", "f16"], "adapters": []}
 
 
-def model_fingerprint(path: Path) -> str:
-    """A model file's identity, cheap for a file of many gigabytes: its size, and a digest of
-    its first and last 4 MiB (the GGUF header with its metadata and vocabulary, and tensor data)."""
-    size = path.stat().st_size
-    h = hashlib.blake2b(digest_size=16)
-    with path.open("rb") as f:
-        h.update(f.read(FINGERPRINT_BYTES))
-        f.seek(max(0, size - FINGERPRINT_BYTES))
-        h.update(f.read(FINGERPRINT_BYTES))
-    return f"{size}:{h.hexdigest()}"
 
 
 def job_settings(

@@ -38,3 +38,22 @@ def sweep_plot(points: list[SweepPoint], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def tune_plot(tuning, chosen, path: Path) -> None:
+    """`llamabatch tune --plot`: decode throughput and p50/p95 inter-token latency against B."""
+    sizes = [p.batch_size for p in tuning.points]
+    fig, (speed, latency) = plt.subplots(1, 2, figsize=(11, 4.2))
+    speed.plot(sizes, [p.s_tg for p in tuning.points], "o-", label="decode tokens/s (S_TG)")
+    speed.plot([chosen.batch_size], [chosen.s_tg], "r*", markersize=14, label=f"chosen: B = {chosen.batch_size}")
+    speed.set(xscale="log", xlabel="batch size B", ylabel="tokens / s", title="throughput")
+    latency.plot(sizes, [p.itl_p50_s * 1000 for p in tuning.points], "o-", label="inter-token latency p50")
+    latency.plot(sizes, [p.itl_p95_s * 1000 for p in tuning.points], "o--", label="inter-token latency p95")
+    latency.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="ms", title="latency")
+    for ax in (speed, latency):
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
