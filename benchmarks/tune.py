@@ -20,6 +20,7 @@ import numpy as np
 
 from llamabatch import BatchEngine, SamplingParams
 from llamabatch.engine.config import parse_duration
+from llamabatch.engine.tuning import Tuning
 
 from .batch import FORMS, SUBJECTS
 from .harness import cli, json_lines, progress, run as run_command, tiny_model
@@ -64,9 +65,7 @@ def choice(args, report, model: str | None) -> None:
     budget = parse_duration(args.max_itl)
     tuned_wall, out = run_command(cli("tune", *(["-m", model] if model else []), "--again", "--json"))
     tuned = json_lines(out)[-1]
-    within = tuned.copy()
-    within_budget = [p for p in tuned["points"] if p["itl_p95_s"] <= budget]
-    within["chosen"] = max(within_budget, key=lambda p: p["s_tg"])["batch_size"] if within_budget else min(p["batch_size"] for p in tuned["points"])
+    chosen_within = Tuning.from_dict(tuned).choose(budget).batch_size
     texts = prompts(args.prompts)
     measured = {}
     for b in map(int, args.sizes.split(",")):
@@ -79,7 +78,7 @@ def choice(args, report, model: str | None) -> None:
     fits = [s for s, p95 in measured.values() if p95 <= budget]
     best_within = max(fits) if fits else None
     picked = []
-    for label, chosen, reference in (("no budget", tuned["chosen"], best), (f"--max-itl {args.max_itl}", within["chosen"], best_within)):
+    for label, chosen, reference in (("no budget", tuned["chosen"], best), (f"--max-itl {args.max_itl}", chosen_within, best_within)):
         b = min(measured, key=lambda size: abs(size - chosen))  # the measured size nearest the choice
         ratio = None if reference is None else round(measured[b][0] / reference, 3)
         picked.append([label, chosen, b, round(measured[b][0], 1), reference and round(reference, 1), ratio])

@@ -31,7 +31,6 @@ def test_the_choice_is_the_fastest_size_within_the_latency_budget():
     assert measured.choose(0.020).batch_size == 8
     assert measured.choose(0.012).batch_size == 2
     assert measured.choose(0.001).batch_size == 1  # nothing within it: the lowest latency there is
-    assert measured.choose(None, limit=4).batch_size == 4  # never more than memory holds
 
 
 def test_for_a_job_the_choice_counts_its_prefill():

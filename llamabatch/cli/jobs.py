@@ -124,7 +124,7 @@ def batch(
                 display.job_estimate(guess, brief=True)
             job = BatchJob(engine, input, output, errors=errors, base=base, retry_errors=retry_errors, overwrite=overwrite,
                            incomplete_errors=incomplete_errors)
-            job.summary.estimated_s = guess and guess.seconds
+            job.summary.estimated_s = None if guess is None else guess.seconds
             with stop_on_signals(job), display.BatchProgress(job.summary) as progress:
                 job.on_progress = progress.update
                 summary = job.run()

@@ -202,9 +202,7 @@ def tune(
     if shape is not None:
         prompt_tokens = max(1, round(shape[0]))
     if max_batch is None:
-        planned, _ = plan_for(model, catalog=config, ctx_per_seq=-(-(prompt_tokens + tuning.GEN_TOKENS + 1) // 256) * 256, memory=memory_budget(memory), kv_unified=kv_unified is not False,
-                              n_ubatch=ubatch_size, cache_type_k=cache_type_k, cache_type_v=cache_type_v, rpc=rpc, verbose=verbose)
-        max_batch = planned.n_parallel
+        max_batch = options.memory_plan(ctx_per_seq=tuning.cells_per_sequence(prompt_tokens)).n_parallel
     found = options.tuning(max_batch, say=display.note, again=again, prompt_tokens=prompt_tokens)
     itl = options.max_itl_s
     chosen = found.choose(itl, job=shape)

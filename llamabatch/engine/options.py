@@ -102,8 +102,7 @@ class EngineOptions:
         if say and not again:
             say(f"no batch size measured for {spec.name} with these settings on this machine: measuring it (llamabatch tune)")
         n = min(max_batch or tuning.MAX_BATCH, tuning.MAX_BATCH)
-        per_seq = -(-(prompt_tokens + tuning.GEN_TOKENS + 1) // 256) * 256  # a prompt and its tokens, in llama.cpp's 256s
-        with BatchEngine(**self._settings(), n_parallel=n, n_ctx=n * per_seq) as engine:
+        with BatchEngine(**self._settings(), n_parallel=n, n_ctx=n * tuning.cells_per_sequence(prompt_tokens)) as engine:
             measured = tuning.tune(engine, spec.gguf_path(), n, prompt_tokens=prompt_tokens)
         tuning.save(measured)
         return measured
@@ -147,14 +146,20 @@ class EngineOptions:
         slots = n_parallel or Catalog.load(self.config).resolve(self.model).parallel
         return n_parallel, slots * self.ctx_per_seq
 
-    def _plan(self, n_sequences: int | None) -> tuple[int, int]:
+    def memory_plan(self, n_sequences: int | None = None, ctx_per_seq: int | None = None):
+        """The most slots of ctx_per_seq cells (default: --ctx-per-seq, else the catalog's) that
+        fit --memory, never more than n_sequences (planning.plan_for)."""
         kv_unified = EngineConfig.kv_unified if self.kv_unified is None else self.kv_unified
         planned, _ = plan_for(
-            self.model, catalog=self.config, ctx_per_seq=self.ctx_per_seq, memory=memory_budget(self.memory), kv_unified=kv_unified,
-            n_ubatch=self.ubatch_size, max_parallel=n_sequences, cache_type_k=self.cache_type_k,
+            self.model, catalog=self.config, ctx_per_seq=ctx_per_seq or self.ctx_per_seq, memory=memory_budget(self.memory),
+            kv_unified=kv_unified, n_ubatch=self.ubatch_size, max_parallel=n_sequences, cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v, rpc=self.rpc, verbose=self.verbose,
             checkpoint_memory=None if self.checkpoint_memory is None else checkpoint_budget(self.checkpoint_memory),
         )
+        return planned
+
+    def _plan(self, n_sequences: int | None) -> tuple[int, int]:
+        planned = self.memory_plan(n_sequences)
         # the measured choice, cut to what fits and to the sequences there are (up to its size,
         # more rows a step were measured to pay)
         chosen = self.tuning(planned.n_parallel, say=_say).choose(self.max_itl_s).batch_size

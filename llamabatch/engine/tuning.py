@@ -3,7 +3,8 @@
 Decode throughput and the time between a sequence's tokens are measured on this machine and
 model at growing batch sizes (1, 2, 4, ... up to what memory holds), stopping once throughput
 no longer rises by MIN_GAIN. The choice is the size with the highest throughput whose p95
-inter-token latency is within a budget (when one is given). Results are stored, keyed by what
+inter-token latency is within a budget (when one is given). Decoding is greedy: sampled rows
+add their own cost per row, which the curve does not include. Results are stored, keyed by what
 changes them: the machine, the model file, and the engine settings that touch a step's cost.
 """
 
@@ -23,6 +24,8 @@ import numpy as np
 from ..catalog import model_fingerprint
 from ..errors import LlamabatchError
 from .config import EngineConfig
+from .planning import pad
+from .sampling import SamplingParams
 
 # A larger batch must raise decode throughput by this much to be worth measuring the next one:
 # on a CPU the curve flattens once the cores are busy, and each larger size costs more to measure.
@@ -52,15 +55,13 @@ class Tuning:
     points: tuple[TunePoint, ...]
     seconds: float  # the measurement's own time
 
-    def choose(self, max_itl_s: float | None = None, limit: int | None = None, job: tuple[float, float] | None = None) -> TunePoint:
-        """The point with the highest decode throughput within the latency budget and the size
-        limit; for a job of sequences of (prompt tokens, new tokens) each, the one that runs it
-        soonest, prefill counted. When none is within the budget, the smallest batch (the lowest
-        latency there is)."""
-        fits = [p for p in self.points if limit is None or p.batch_size <= limit]
-        within = [p for p in fits if max_itl_s is None or p.itl_p95_s <= max_itl_s]
+    def choose(self, max_itl_s: float | None = None, job: tuple[float, float] | None = None) -> TunePoint:
+        """The point with the highest decode throughput within the latency budget; for a job of
+        sequences of (prompt tokens, new tokens) each, the one that runs it soonest, prefill
+        counted. When none is within the budget, the smallest batch (the lowest latency there is)."""
+        within = [p for p in self.points if max_itl_s is None or p.itl_p95_s <= max_itl_s]
         if not within:
-            return min(fits or self.points, key=lambda p: p.batch_size)
+            return min(self.points, key=lambda p: p.batch_size)
         if job is not None:
             prompt, new = job
             return min(within, key=lambda p: prompt / p.s_pp + new / p.s_tg)  # seconds a sequence adds to the job
@@ -117,6 +118,11 @@ def save(tuning: Tuning) -> Path:
     return path
 
 
+def cells_per_sequence(prompt_tokens: int) -> int:
+    """The KV cells a measured sequence needs: its prompt and tokens, in llama.cpp's padding."""
+    return pad(prompt_tokens + GEN_TOKENS + 1)
+
+
 def ladder(max_batch: int) -> list[int]:
     """1, 2, 4, ... and max_batch itself."""
     sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
@@ -126,8 +132,6 @@ def ladder(max_batch: int) -> list[int]:
 def measure(engine, batch_size: int, prompt_tokens: int = PROMPT_TOKENS, gen_tokens: int = GEN_TOKENS, seed: int = 0) -> TunePoint:
     """batch_size sequences of random prompts through the engine; its prefill rate, and each
     decode step timed while every sequence generates."""
-    from .sampling import SamplingParams
-
     params = SamplingParams(temperature=0, max_tokens=gen_tokens + 1, ignore_eos=True)
     engine.drop_cached_prefixes()
     prompts = np.random.default_rng(seed).integers(0, engine.vocab.n_vocab, size=(batch_size, prompt_tokens)).tolist()
@@ -149,10 +153,9 @@ def measure(engine, batch_size: int, prompt_tokens: int = PROMPT_TOKENS, gen_tok
                      float(np.percentile(steps, 50)), float(np.percentile(steps, 95)))
 
 
-def tune(engine, model_path: Path, max_batch: int, *, prompt_tokens: int = PROMPT_TOKENS, gen_tokens: int = GEN_TOKENS,
-         max_itl_s: float | None = None, on_point=None) -> Tuning:
+def tune(engine, model_path: Path, max_batch: int, *, prompt_tokens: int = PROMPT_TOKENS, gen_tokens: int = GEN_TOKENS) -> Tuning:
     """Measure growing batch sizes on an engine with max_batch slots, until throughput stops
-    rising (or, with a budget, until a size's p95 inter-token latency exceeds it)."""
+    rising. The whole curve is stored, so one measurement serves every latency budget."""
     started = time.perf_counter()
     measure(engine, min(max_batch, 4), prompt_tokens, 4, seed=99)  # warm-up: first allocations, page faults
     points: list[TunePoint] = []
@@ -162,12 +165,8 @@ def tune(engine, model_path: Path, max_batch: int, *, prompt_tokens: int = PROMP
         if point.s_tg < best * MIN_GAIN:  # before stopping on it, rule out a burst of load on the host
             point = max(point, measure(engine, b, prompt_tokens, gen_tokens, seed=1), key=lambda p: p.s_tg)
         points.append(point)
-        if on_point:
-            on_point(point)
         if point.s_tg < best * MIN_GAIN:
             break
-        if max_itl_s is not None and point.itl_p95_s > max_itl_s:
-            break  # a larger batch only makes each step longer
     settings = settings_of(engine.config, model_path)
     return Tuning(key_of(settings), settings, prompt_tokens, tuple(points), time.perf_counter() - started)
 

@@ -38,8 +38,11 @@ def estimate(engine: BatchEngine, source: str | Path, base: SamplingParams | Non
     reader = RequestReader(source, base)
     try:
         for item in reader:
-            if isinstance(item, BadLine) or item.embedding is not None:
-                bad += isinstance(item, BadLine)
+            if isinstance(item, BadLine):
+                bad += 1
+                continue
+            if item.embedding is not None:  # runs, but generates nothing (its embedding time is not modelled)
+                requests += 1
                 continue
             try:
                 prompts, params = engine_inputs(item.body, engine) if item.body is not None else ([item.prompt], item.params)
@@ -50,8 +53,7 @@ def estimate(engine: BatchEngine, source: str | Path, base: SamplingParams | Non
             requests += 1
             sequences += params.n * len(lengths)
             prompt_tokens += sum(lengths)
-            new_tokens += sum(params.n * max(0, min(params.max_tokens, room - n) if params.max_tokens is not None else room - n)
-                              for n in lengths)
+            new_tokens += sum(params.n * max(0, min(params.max_tokens, room - n)) for n in lengths)
     finally:
         reader.close()
     parallel = engine.config.n_parallel

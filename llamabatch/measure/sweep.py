@@ -22,7 +22,7 @@ import numpy as np
 
 from ..engine import BatchEngine, EngineConfig, SamplingParams, Sequence
 from ..errors import LlamabatchError
-from ..engine.planning import KvShape
+from ..engine.planning import KvShape, pad
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class SweepSettings:
     @property
     def context(self) -> int:
         """Total KV cells: each of max(B) sequences holds PP + TG + 1 tokens, rounded to llama.cpp's 256."""
-        per_seq = -(-(self.prompt_tokens + self.gen_tokens + 1) // 256) * 256
+        per_seq = pad(self.prompt_tokens + self.gen_tokens + 1)
         return self.n_ctx or max(self.batch_sizes) * per_seq
 
     def n_kv(self, b: int, kv_unified: bool) -> int:
@@ -248,7 +248,7 @@ def sequential_baseline(engine: BatchEngine, settings: SweepSettings, b: int) ->
 def sequential_settings(config: EngineConfig, settings: SweepSettings) -> dict:
     """Llama's keyword arguments: one sequence's context, the engine's batch sizes, threads and GPU layers."""
     return dict(
-        n_ctx=-(-(settings.prompt_tokens + settings.gen_tokens + 1) // 256) * 256, n_batch=config.n_batch,
+        n_ctx=pad(settings.prompt_tokens + settings.gen_tokens + 1), n_batch=config.n_batch,
         n_ubatch=config.n_ubatch, n_threads=config.n_threads, n_threads_batch=config.n_threads, n_gpu_layers=config.gpu_layers,
     )
 
