@@ -40,3 +40,7 @@ class ConstraintError(LlamabatchError, ValueError):
 
 class UnknownModel(LlamabatchError, ValueError):
     """A request names a model (or LoRA adapter) this engine does not serve: OpenAI's 404."""
+
+
+class ChatTemplateError(PromptError):
+    """A chat template that cannot render the messages (its own raise_exception, or a Jinja error)."""

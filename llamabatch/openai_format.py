@@ -7,12 +7,15 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt, Le
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationError, field_validator, model_validator
 
+from .chat import Tools
+from .chat.conversation import Answer
 from .engine import BatchEngine, SamplingParams, Sequence
+from .engine.constraints import Constraint
 from .engine.native import Vocab
 from .engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED
 from .errors import ConstraintError, LlamabatchError, SamplingError, UnknownModel
@@ -251,15 +254,28 @@ class TextPart(Body):
     text: Text
 
 
+class FunctionCall(Body):
+    name: NonEmptyStr
+    arguments: StrictStr  # JSON text, as the model wrote it
+
+
+class ToolCallIn(Body):
+    """A call in an earlier assistant message, sent back with the conversation."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Body):
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = None  # None: an assistant turn that only called tools
     name: StrictStr | None = None
-    tool_call_id: StrictStr | None = None
-    # What the official clients send back when an earlier answer is appended to the messages:
-    # accepted empty (as llamabatch answers them), refused with content (tools are not supported).
+    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
+    tool_calls: list[ToolCallIn] | None = None
+    reasoning_content: Text | None = None  # an earlier answer's thinking, for templates that show it
+    # What the official clients send back when an earlier answer is appended to the messages.
     refusal: None = None
-    tool_calls: Annotated[list, Field(max_length=0)] | None = None
     function_call: None = None
     audio: None = None
     annotations: Annotated[list, Field(max_length=0)] | None = None
@@ -272,10 +288,45 @@ class ChatMessage(Body):
                 raise ValueError(f"content part {i} is of type {part.get('type')!r}: only text parts are supported")
         return content
 
-    def rendered(self) -> dict[str, str]:
-        """Role and text for the chat template: text parts joined, developer read as system."""
-        text = self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role} ones")
+        return self
+
+    def rendered(self) -> dict:
+        """The message as chat templates read it: text parts joined, developer read as system."""
+        text = self.content if isinstance(self.content, str) or self.content is None else "\n".join(p.text for p in self.content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for name in ("tool_call_id", "name", "reasoning_content"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        return message
+
+
+class FunctionDef(Body):
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict | None = None  # a JSON schema for the arguments (none: no arguments)
+    strict: StrictBool | None = None  # calls are held to the schema either way
+
+
+class ToolDef(Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Body):
+    name: StrictStr
+
+
+class ToolChoice(Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(SamplingFields):
@@ -284,9 +335,23 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: integer(ge=0) | None = None  # what the official clients send now; wins over max_tokens
     logprobs: StrictBool = False
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # OpenAI's default: several calls may come in one answer
+    # Variables for the chat template, as vLLM and llama-server take them ({"enable_thinking": false})
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    # A reasoning model's thought, in tokens at most, then closed for it (-1: no limit, 0: no
+    # thinking); llama-server's --reasoning-budget, per request. None: the server's default.
+    reasoning_budget: integer(ge=-1) | None = None
 
     def token_limit(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    def tool_use(self) -> Tools | None:
+        """The request's tools and how they may be used; None without tools."""
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, ToolChoice) else self.tool_choice
+        tools = None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+        return Tools.of(tools, choice, self.parallel_tool_calls)
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -337,17 +402,31 @@ def refusal_status(error: LlamabatchError) -> int:
     return 404 if isinstance(error, UnknownModel) else 400
 
 
-def engine_inputs(body: SamplingFields, engine: BatchEngine) -> tuple[list[str | list[int]], SamplingParams]:
-    """The prompts and sampling parameters the engine runs for a request body. Raises a
-    LlamabatchError naming the problem (empty prompt, value out of range, no chat template,
-    an unknown model: UnknownModel)."""
+@dataclass(frozen=True)
+class EngineInputs:
+    """What the engine runs for a request body, and how a chat answer is read back."""
+
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    answer: Answer | None = None  # chat: tool calls and reasoning to parse out of the text
+
+
+def engine_inputs(body: SamplingFields, engine: BatchEngine, reasoning_budget: int = -1) -> EngineInputs:
+    """The prompts and sampling parameters the engine runs for a request body (`reasoning_budget`:
+    the default of chat requests that give none). Raises a LlamabatchError naming the problem
+    (empty prompt, value out of range, no chat template, messages the template refuses, an
+    unknown model: UnknownModel)."""
     params = request_params(body, engine)
     if isinstance(body, ChatRequest):
-        messages = [m.rendered() for m in body.messages]
-        rendered = engine.model.apply_chat_template(messages, engine.chat_template)
-        return [engine.vocab.tokenize(rendered)], params  # ids: an engine with --chat must not template it again
+        tools = body.tool_use()
+        if tools is not None and tools.constrained and Constraint.of(params) is not None:
+            raise ConstraintError("tools and a response format both constrain the answer: give one, or tool_choice none")
+        budget = reasoning_budget if body.reasoning_budget is None else body.reasoning_budget
+        prompt = engine.chat_prompt([m.rendered() for m in body.messages], tools, body.chat_template_kwargs, budget)
+        params = replace(params, lark=prompt.lark, thinking_budget=prompt.thinking_budget)
+        return EngineInputs([prompt.tokens], params, prompt.answer)  # ids: an engine with --chat must not template it again
     if isinstance(body, CompletionRequest):
-        return body.prompts(), params
+        return EngineInputs(body.prompts(), params)
     raise LlamabatchError(f"no prompts in a {type(body).__name__}")
 
 
@@ -381,12 +460,13 @@ def completion_choices(sequences: Seq[Sequence], vocab: Vocab, shown: Shown) -> 
     return sorted(choices, key=lambda c: c["index"])
 
 
-def chat_choices(sequences: Seq[Sequence], vocab: Vocab) -> list[dict]:
-    return [
-        {"index": s.sample, "message": {"role": "assistant", "content": s.text.text},
-         "logprobs": chat_logprobs(s.logprobs, s, vocab), "finish_reason": s.finish_reason}
-        for s in sequences
-    ]
+def chat_choices(sequences: Seq[Sequence], vocab: Vocab, answer: Answer | None = None) -> list[dict]:
+    choices = []
+    for s in sequences:
+        message = (answer or Answer()).message(s.text.text)
+        choices.append({"index": s.sample, "message": message, "logprobs": chat_logprobs(s.logprobs, s, vocab),
+                        "finish_reason": Answer.finish_reason(s.finish_reason, message)})
+    return choices
 
 
 def new_id(kind: str) -> str:
@@ -427,12 +507,13 @@ def error_body(status: int, message: str, kind: str | None = None) -> dict:
 
 
 def response_body(
-    kind: str, id: str, created: int, model: str, sequences: Seq[Sequence], vocab: Vocab, shown: Shown = Shown()
+    kind: str, id: str, created: int, model: str, sequences: Seq[Sequence], vocab: Vocab, shown: Shown = Shown(),
+    answer: Answer | None = None,
 ) -> dict:
     """The whole answer to a request whose sequences all ended well (failure() is None): a
     text_completion or chat.completion object."""
     if kind == "chat.completion":
-        body = {"id": id, "object": kind, "created": created, "model": model, "choices": chat_choices(sequences, vocab)}
+        body = {"id": id, "object": kind, "created": created, "model": model, "choices": chat_choices(sequences, vocab, answer)}
         if shown.prompt_logprobs is not None:  # vLLM puts a chat's prompt log-probabilities beside its choices
             body["prompt_logprobs"] = prompt_logprobs(sequences[0], vocab, shown.prompt_logprobs)
     else:

@@ -7,7 +7,9 @@
 #   scripts/build_native.sh            # prints the folder holding the binaries
 #   CMAKE_ARGS="-DGGML_CUDA=on" scripts/build_native.sh
 #
-# The binaries land in ${LLAMABATCH_NATIVE_DIR:-~/.cache/llamabatch/native/VERSION}/bin.
+# The binaries land in ${LLAMABATCH_NATIVE_DIR:-~/.cache/llamabatch/native/VERSION}/bin, and
+# llama.cpp's collection of models' chat templates (models/templates) beside them in templates/:
+# the tests write tiny GGUFs that carry them.
 set -euo pipefail
 
 version=$(python -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))")
@@ -26,7 +28,7 @@ missing=()
 for tool in "${tools[@]}"; do
     [ -x "$dest/bin/$tool" ] || missing+=("$tool")
 done
-if [ ${#missing[@]} -eq 0 ]; then
+if [ ${#missing[@]} -eq 0 ] && [ -d "$dest/templates" ]; then
     echo "$dest/bin"
     exit 0
 fi
@@ -36,6 +38,11 @@ trap 'rm -rf "$work"' EXIT
 pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$version" -d "$work" >&2
 tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
+rm -rf "$dest/templates" && mkdir -p "$dest" && cp -r "$src/models/templates" "$dest/templates"
+if [ ${#missing[@]} -eq 0 ]; then
+    echo "$dest/bin"
+    exit 0
+fi
 
 # Static binaries, so they run from the cache folder without the build tree's libraries.
 # shellcheck disable=SC2086  # flags is a list of flags, as pip's build reads CMAKE_ARGS

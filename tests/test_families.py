@@ -468,7 +468,7 @@ def test_llama_server_and_we_agree_on_a_hybrid_model(tmp_path, serve):
         for i in range(2):
             prompt = f"{SYSTEM}Question {i}: which page?"
             # llama-server renders templates its own way (Jinja drops the template's last newline): send it ours
-            rendered = reference.model.apply_chat_template([{"role": "user", "content": prompt}])
+            rendered = reference.chat_prompt([{"role": "user", "content": prompt}]).text
             theirs = httpx.post(f"{native.base}/completion", timeout=60, json={
                 "prompt": rendered, "n_predict": 16, "temperature": 0, "ignore_eos": True, "return_tokens": True,
                 "cache_prompt": True,

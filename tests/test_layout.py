@@ -19,11 +19,12 @@ LEAVES = {"llamabatch.errors", "llamabatch.catalog"}
 ALLOWED = {
     "llamabatch.errors": set(),
     "llamabatch.catalog": {"llamabatch.errors"},
-    "llamabatch.engine": LEAVES,
-    "llamabatch.openai_format": LEAVES | {"llamabatch.engine"},
+    "llamabatch.chat": LEAVES,
+    "llamabatch.engine": LEAVES | {"llamabatch.chat"},
+    "llamabatch.openai_format": LEAVES | {"llamabatch.engine", "llamabatch.chat"},
     "llamabatch.embeddings_format": LEAVES | {"llamabatch.engine", "llamabatch.openai_format"},
-    "llamabatch.serve": LEAVES | {"llamabatch.engine", "llamabatch.openai_format", "llamabatch.embeddings_format", "llamabatch.jobs"},
-    "llamabatch.jobs": LEAVES | {"llamabatch.engine", "llamabatch.openai_format", "llamabatch.embeddings_format"},
+    "llamabatch.serve": LEAVES | {"llamabatch.engine", "llamabatch.chat", "llamabatch.openai_format", "llamabatch.embeddings_format", "llamabatch.jobs"},
+    "llamabatch.jobs": LEAVES | {"llamabatch.engine", "llamabatch.chat", "llamabatch.openai_format", "llamabatch.embeddings_format"},
     "llamabatch.measure": LEAVES | {"llamabatch.engine"},
     "llamabatch.display": LEAVES | {"llamabatch.engine", "llamabatch.measure"},
 }

@@ -25,9 +25,9 @@ def a_token(base: str) -> tuple[int, str]:
 def test_an_unknown_field_is_a_400_naming_it(client):
     with pytest.raises(openai.BadRequestError, match="unknown field 'best_of': llamabatch does not support it"):
         client.completions.create(model="tiny", prompt="hello", max_tokens=2, extra_body={"best_of": 2})
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    with pytest.raises(openai.BadRequestError, match="unknown field 'tools'"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, tools=tools)
+    functions = [{"name": "f", "parameters": {"type": "object"}}]  # the API's older form of tools
+    with pytest.raises(openai.BadRequestError, match="unknown field 'functions'"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, functions=functions)
     with pytest.raises(openai.BadRequestError, match="unknown field 'response_format.strictness'"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        extra_body={"response_format": {"type": "json_object", "strictness": 1}})

@@ -35,9 +35,15 @@ def vocabulary(pieces: list[str] = WORD_PIECES) -> tuple[list[str], list[float],
     return tokens, scores, [int(t) for t in types]
 
 
-def add_vocabulary(w: GGUFWriter, tokens: list[str], scores: list[float], types: list[int]) -> None:
-    """The SentencePiece-style tokenizer (BOS added, no EOS) and a ChatML template, which llama.cpp
-    recognises among its built-ins, for chat endpoints."""
+# The template every tiny model carries unless given another: ChatML, which llama.cpp also knows
+# among its built-ins.
+CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+
+
+def add_vocabulary(
+    w: GGUFWriter, tokens: list[str], scores: list[float], types: list[int], chat_template: str | None = CHATML,
+) -> None:
+    """The SentencePiece-style tokenizer (BOS added, no EOS) and a chat template (None: none)."""
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
@@ -47,9 +53,8 @@ def add_vocabulary(w: GGUFWriter, tokens: list[str], scores: list[float], types:
     w.add_unk_token_id(UNK)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    w.add_chat_template(
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
-    )
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
 
 def write_tiny_model(
@@ -65,12 +70,14 @@ def write_tiny_model(
     pieces: list[str] = WORD_PIECES,
     pooling: int | None = None,
     rank_head: bool = False,
+    chat_template: str | None = CHATML,
 ) -> Path:
     """Write a tiny F32 llama model. `always_eos` makes EOS the greedy choice at every step;
     `pieces` are the word pieces after the byte tokens; `pooling` (a llama_pooling_type) is
     written as the model's embedding pooling. `rank_head` writes a reranker instead: the qwen3
     architecture (llama's, with per-head norms), rank pooling and a two-label classifier
-    ("yes", "no"), as llama.cpp's Qwen3 rerankers are converted."""
+    ("yes", "no"), as llama.cpp's Qwen3 rerankers are converted. `chat_template` is the Jinja
+    template it carries (None: none)."""
     tokens, scores, types = vocabulary(pieces)
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
@@ -95,7 +102,7 @@ def write_tiny_model(
     w.add_rope_dimension_count(n_embd // n_head)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(0)  # all F32
-    add_vocabulary(w, tokens, scores, types)
+    add_vocabulary(w, tokens, scores, types, chat_template)
 
     embd = weight(n_vocab, n_embd, scale=1.0)
     output = weight(n_vocab, n_embd, scale=1.0)
@@ -295,3 +302,23 @@ if __name__ == "__main__":  # python tests/tiny_model.py tiny.gguf: the model th
     import sys
 
     print(write_tiny_model(Path(sys.argv[1])))
+
+
+def real_template(name: str) -> str:
+    """A model's own chat template from llama.cpp's collection (models/templates/NAME.jinja of the
+    vendored sources), which scripts/build_native.sh keeps beside the native tools."""
+    import os
+
+    import llama_cpp
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    folder = Path(os.environ.get("LLAMABATCH_NATIVE_DIR") or cache / "llamabatch" / "native" / llama_cpp.__version__)
+    return (folder / "templates" / f"{name}.jinja").read_text()
+
+
+def real_templates_kept() -> bool:
+    try:
+        real_template("Qwen-Qwen2.5-7B-Instruct")
+    except OSError:
+        return False
+    return True

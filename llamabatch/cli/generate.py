@@ -15,7 +15,7 @@ from ..engine.options import EngineOptions
 from ..errors import LlamabatchError
 from ..jobs.prompts import gather_prompts
 from .options import (
-    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, CheckpointEveryOpt, CheckpointMemoryOpt, ChoiceOpt,
+    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, ChoiceOpt,
     CtxOpt, CtxPerSeqOpt, DEFAULT, DeterministicOpt, DraftMaxOpt, DraftModelOpt, FlashAttnOpt, FrequencyPenaltyOpt,
     GpuLayersOpt, GrammarOpt,
     IgnoreEosOpt, JsonOpt, JsonSchemaOpt, KvUnifiedOpt, LoraOpt, MaxTokensOpt, MemoryOpt, MinPOpt, ModelOpt,
@@ -72,6 +72,7 @@ def run(
     checkpoint_every: CheckpointEveryOpt = None,
     checkpoint_memory: CheckpointMemoryOpt = None,
     chat: ChatOpt = None,
+    chat_template: ChatTemplateOpt = None,
     stream: Annotated[bool, typer.Option(help="Show each sequence's text live.")] = False,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,

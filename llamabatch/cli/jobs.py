@@ -12,7 +12,7 @@ from ..engine import BatchEngine, SamplingParams
 from ..engine.options import AUTO, EngineOptions
 from ..errors import LlamabatchError
 from .options import (
-    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, CheckpointEveryOpt, CheckpointMemoryOpt, ChoiceOpt,
+    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, ChoiceOpt,
     CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt,
     FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt,
     IgnoreEosOpt, JsonSchemaOpt, KvUnifiedOpt, LoraOpt, MaxTokensOpt, MemoryOpt, MinPOpt, ModelOpt, ParallelOpt,
@@ -79,6 +79,7 @@ def batch(
     checkpoint_every: CheckpointEveryOpt = None,
     checkpoint_memory: CheckpointMemoryOpt = None,
     chat: ChatOpt = None,
+    chat_template: ChatTemplateOpt = None,
     ray: Annotated[Optional[str], typer.Option(
         "--ray", metavar="ADDRESS", help="Run on a Ray cluster: 'local' (a Ray instance on this machine), 'auto' (the running cluster) or ray://host:port.",
     )] = None,

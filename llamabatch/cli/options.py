@@ -86,6 +86,8 @@ StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop strin
 IgnoreEosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos", help="Generate past end-of-generation tokens.")]
 SamplesOpt = Annotated[Optional[int], typer.Option("-n", "--n", help="Samples per prompt; they share its KV (sample k: seed + k).")]
 ChatOpt = Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template.")]
+ChatTemplateOpt = Annotated[Optional[str], typer.Option(
+    "--chat-template", help="Chat template: a Jinja file, or a llama.cpp built-in's name (chatml, gemma, llama3...). Default: the GGUF's.")]
 # Constrained output (at most one): every completion matches it.
 JsonSchemaOpt = Annotated[Optional[Path], typer.Option("--json-schema", help="Constrain outputs to this JSON schema (a file).")]
 GrammarOpt = Annotated[Optional[Path], typer.Option("--grammar", help="Constrain outputs to this GBNF grammar (a file).")]

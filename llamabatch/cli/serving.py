@@ -19,7 +19,7 @@ from ..engine.options import AUTO, EngineOptions
 from ..engine.rpc import DEFAULT_PORT as DEFAULT_RPC_PORT
 from ..errors import LlamabatchError
 from .options import (
-    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CtxOpt, CtxPerSeqOpt,
+    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CtxOpt, CtxPerSeqOpt,
     DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt, MemoryOpt, ModelOpt,
     MaxItlOpt, ParallelOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SharePrefixesOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt,
     UbatchOpt, VerboseOpt, parse_pooling, parse_replicas, reports_errors,
@@ -70,6 +70,9 @@ def serve(
     checkpoint_memory: CheckpointMemoryOpt = None,
     replicas: ReplicasOpt = None,
     ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="With --replicas: 'local' (default), 'auto' (the running cluster) or ray://host:port.")] = None,
+    chat_template: ChatTemplateOpt = None,
+    reasoning_budget: Annotated[int, typer.Option(
+        "--reasoning-budget", help="A chat answer's thought in tokens at most, then closed for it (-1: no limit, 0: no thinking); a request's reasoning_budget overrides it.")] = -1,
     verbose: VerboseOpt = False,
 ) -> None:
     """An OpenAI-compatible server: concurrent requests share the running batch."""
@@ -87,20 +90,22 @@ def serve(
     engine = EngineOptions.of(context.params).engine_kwargs()
     if max_upload_mb < 1:
         raise LlamabatchError(f"--max-upload-mb must be >= 1, got {max_upload_mb}")
+    if reasoning_budget < -1:
+        raise LlamabatchError(f"--reasoning-budget must be -1 (no limit), 0 (no thinking) or a number of tokens, got {reasoning_budget}")
     if replicas is not None and data_dir is not None:
         raise LlamabatchError("--data-dir is for the Batch API of one server; replicas (--replicas) serve no batches")
     settings = ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout,
-                              pooling=parse_pooling(pooling), max_upload=max_upload_mb << 20,
+                              pooling=parse_pooling(pooling), max_upload=max_upload_mb << 20, reasoning_budget=reasoning_budget,
                               data_dir=None if replicas is not None else data_dir or default_data_dir())
     if replicas is not None:
-        _serveparse_replicas(settings, parse_replicas(replicas), ray or "local", host, port)
+        _serve_replicas(settings, parse_replicas(replicas), ray or "local", host, port)
         return
     app = create_app(settings)
     display.err.print(f"llamabatch serving on http://{host}:{port}/v1 (Ctrl-C stops)")
     uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
 
 
-def _serveparse_replicas(settings: ServerSettings, replicas: int | str, address: str, host: str, port: int) -> None:
+def _serve_replicas(settings: ServerSettings, replicas: int | str, address: str, host: str, port: int) -> None:
     try:
         from ..jobs.ray_stage import actor_shape, connect
         from ..serve.replicas import deploy

@@ -13,11 +13,13 @@ from pathlib import Path
 import numpy as np
 
 from ..catalog import Catalog
+from ..chat import ChatTemplate, Tools
+from ..chat.conversation import Chat, ChatPrompt
 from .adapters import Adapters
 from .config import RPC_TIMEOUT_S, EngineConfig
 from .constraints import Constraint, Grammars
 from .embedding import MAX_TEXTS_PER_DECODE, Embedder, Pooling, finish, model_pooling
-from ..errors import ConfigError, ConstraintError, DecodeError, EngineBroken, PromptError, SamplingError
+from ..errors import ChatTemplateError, ConfigError, ModelError, ConstraintError, DecodeError, EngineBroken, PromptError, SamplingError
 from .memory import Memory, MemoryRefused
 from .native import INVALID_BATCH, KV_FULL, Batch, Context, Model, init_backend, use_row_invariant_matmul
 from .rpc import guard as rpc_guard, local_accelerators, remote_devices
@@ -28,6 +30,7 @@ from .sequence import Sequence, Status
 from .rows import lay_out, lay_out_decodes
 from .scoring import scored_prompts, total_score
 from .speculator import Speculator
+from .thinking import Thought
 from .truncation import Scratch
 
 # Logits a step may ask for when prompts are scored (each row is a vocabulary of floats): 256
@@ -74,6 +77,7 @@ class BatchEngine:
         tensor_split: str | Iterable[float] | None = None,
         rpc_timeout: float | None = None,
         chat: bool | None = None,
+        chat_template: str | Path | None = None,
         verbose: bool = False,
     ) -> None:
         models = Catalog.load(catalog)
@@ -85,11 +89,11 @@ class BatchEngine:
             draft_max=draft_max, checkpoint_every=checkpoint_every, checkpoint_memory=checkpoint_memory,
             embed_pack=embed_pack, scheduling=scheduling, lora=None if lora is None else tuple(map(str, lora)),
             cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn, rpc=rpc, tensor_split=tensor_split,
-            rpc_timeout=rpc_timeout, chat=chat, verbose=verbose,
+            rpc_timeout=rpc_timeout, chat=chat, chat_template=None if chat_template is None else str(chat_template),
+            verbose=verbose,
         )
         draft_path = models.resolve(self.config.draft_model).gguf_path() if self.config.draft_model else None
         self.model_name = spec.name
-        self.chat_template = spec.chat_template  # a llama.cpp built-in for GGUFs without one
         path = spec.gguf_path()
         init_backend(verbose)
         cfg = self.config
@@ -112,6 +116,7 @@ class BatchEngine:
             # Without shared prefixes a finished sequence's memory is freed: no prefix outlives it
             # to be checkpointed (transient checkpoints, for drafts and fillers, need no budget).
             self.memory = Memory(self.ctx, self.model, cfg.checkpoint_memory if cfg.share_prefixes else 0)
+            self.chat = self._chat(spec.chat_template)  # a --chat-template refused frees what was loaded
             self.speculator = Speculator.for_config(cfg, self.model.vocab, self.ctx.n_ctx, draft_path)
             undo.pop_all()  # loaded: close() frees them from now on
         self.vocab = self.model.vocab
@@ -139,6 +144,23 @@ class BatchEngine:
         self._uids = itertools.count()
         self._embedders: dict[Pooling, Embedder] = {}  # made on first use, one per pooling type
         self._default_pooling: Pooling | None = None
+
+    def _chat(self, builtin: str | None) -> Chat | None:
+        """The model's chat format: --chat-template over the GGUF's template over the catalog's
+        built-in (for GGUFs without one); None when there is no template at all. A template the
+        user named that cannot be read, parsed or found is refused here, not on every request."""
+        vocab, override = self.model.vocab, self.config.chat_template
+        try:
+            template = ChatTemplate.choose(override, self.model.chat_template_text(), builtin,
+                                           bos=vocab.text(vocab.bos) or "", eos=vocab.text(vocab.eos) or "")
+            if template is None:
+                return None
+            chat = Chat(template, vocab, lambda messages: self.model.apply_builtin_template(messages, template.source))
+            if override is not None:
+                chat.check()
+        except (ChatTemplateError, ModelError) as e:
+            raise ConfigError(f"--chat-template {override}: {e}" if override else str(e)) from None
+        return chat
 
     def _rollback_snapshots(self) -> int:
         """Speculation on recurrent or hybrid memory: ask llama.cpp to keep the states after each of
@@ -200,9 +222,12 @@ class BatchEngine:
         if params.n > self.config.n_parallel and self.scheduler.checkpoint_every is not None:
             for seq in sequences:  # samples that wait for a slot take the prompt from a checkpoint there
                 seq.checkpoint_at = len(tokens) - 1
+        budget = params.thinking_budget
+        close = self.vocab.tokenize(f"\n{budget.close}\n\n", add_special=False) if budget else None
         for seq, matcher, p in zip(sequences, matchers, params.per_sample()):
             seq.matcher, seq.adapters = matcher, adapters
-            seq.special = matcher is not None or p.logprobs is not None or p.max_tokens == 0
+            seq.thought = Thought(budget, close) if budget else None
+            seq.special = matcher is not None or p.logprobs is not None or p.max_tokens == 0 or budget is not None
             seq.priority, seq.priority_class = priority, priority_class
             seq.score_from = -1 if score_from is None else score_from
             if params.max_tokens == 0 and score_from is None:  # nothing to generate, nothing to score: done
@@ -244,8 +269,17 @@ class BatchEngine:
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         if self.config.chat:
-            prompt = self.model.apply_chat_template([{"role": "user", "content": prompt}], self.chat_template)
+            return self.chat_prompt([{"role": "user", "content": prompt}]).tokens
         return self.vocab.tokenize(prompt)
+
+    def chat_prompt(
+        self, messages: list[dict], tools: Tools | None = None, template_kwargs: dict | None = None, reasoning_budget: int = -1,
+    ) -> ChatPrompt:
+        """The prompt for chat messages with the model's template (Chat.prompt). Raises
+        ChatTemplateError (a PromptError) for a model without one, or messages its template refuses."""
+        if self.chat is None:
+            raise ChatTemplateError(f"{self.model.path.name} has no chat template (give --chat-template, set chat_template in models.toml, or drop --chat)")
+        return self.chat.prompt(messages, tools, template_kwargs, reasoning_budget)
 
     # -- running -----------------------------------------------------------------------
 
@@ -585,7 +619,9 @@ class BatchEngine:
             return [self._finish(seq, None, "", "length")]
         if seq.draft:
             return self._verify(seq, best, logits)
-        if seq.matcher is not None and r in shared:
+        if seq.forced:  # a thought closed for it: the close is written, whatever the row says
+            token = seq.forced.pop(0)
+        elif seq.matcher is not None and r in shared:
             token = self._sample_masked_copy(seq, logits[r])
         else:
             token = best[r] if seq.sampler.greedy else seq.sampler.sample(logits[r], seq.tokens, self._scratch)
@@ -652,6 +688,8 @@ class BatchEngine:
         if self.vocab.is_eog(token) and not seq.params.ignore_eos:
             return self._finish(seq, token, "", "stop")
         text = seq.text.push(self.vocab.piece(token))
+        if seq.thought is not None and not seq.forced:
+            seq.forced = seq.thought.after(self.vocab.piece(token).decode(errors="replace")) or []
         if seq.text.stopped or (seq.matcher is not None and seq.matcher.is_stopped()):
             return self._finish(seq, token, text, "stop")
         if len(seq.tokens) >= seq.max_len:

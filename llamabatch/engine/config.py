@@ -85,6 +85,9 @@ class EngineConfig:
     # gone (not merely slow), and the process exits as when a connection breaks. None: 600 s.
     rpc_timeout: float | None = None
     chat: bool = False
+    # The chat template: a Jinja file, or a llama.cpp built-in's name; None: the GGUF's own, else
+    # the catalog's built-in for GGUFs without one.
+    chat_template: str | None = None
     verbose: bool = False
 
     def __post_init__(self) -> None:

@@ -36,12 +36,12 @@ NEG_INF_BITS = np.float32(-np.inf).view(np.uint32)
 
 @dataclass(frozen=True)
 class Constraint:
-    kind: str  # "json_schema", "grammar", "regex" or "choice"
-    source: str  # the schema's JSON, the GBNF, the regex, or the choices as a JSON list
+    kind: str  # "json_schema", "grammar", "regex", "lark" or "choice"
+    source: str  # the schema's JSON, the GBNF, the regex, the Lark grammar, or the choices as a JSON list
 
     @classmethod
     def of(cls, params: SamplingParams) -> Constraint | None:
-        for kind in ("json_schema", "grammar", "regex"):
+        for kind in ("json_schema", "grammar", "regex", "lark"):
             if getattr(params, kind) is not None:
                 return cls(kind, getattr(params, kind))
         return cls("choice", json.dumps(list(params.choice))) if params.choice is not None else None
@@ -59,6 +59,8 @@ class Constraint:
                 raise ConstraintError(f"invalid JSON schema: {e}") from None
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.source)
+        if self.kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(self.source)
         if self.kind == "choice":  # JSON string literals are Lark string literals too
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(self.source)))
         try:

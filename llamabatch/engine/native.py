@@ -292,28 +292,22 @@ class Model(_Owner):
         """Attention layers beside recurrent ones (Qwen3.5, LFM2, Granite 4 hybrid, Nemotron-H)."""
         return bool(llama_cpp.llama_model_is_hybrid(self.handle))
 
-    def chat_template_text(self, fallback: str | None = None) -> str | None:
-        """The GGUF's own chat template (Jinja text), else the name of the llama.cpp built-in used."""
+    def chat_template_text(self) -> str | None:
+        """The GGUF's own chat template (Jinja text); None for a GGUF without one."""
         template = llama_cpp.llama_model_chat_template(self.handle, None)
-        return template.decode(errors="replace") if template else fallback
+        return template.decode(errors="replace") if template else None
 
-    def apply_chat_template(self, messages: list[dict[str, str]], fallback: str | None = None) -> str:
-        """Render messages with the model's template, ending with the assistant's turn.
-
-        `fallback` names one of llama.cpp's built-in templates (e.g. "gemma") for a GGUF
-        that carries none.
-        """
-        template = llama_cpp.llama_model_chat_template(self.handle, None) or (fallback or "").encode()
-        if not template:
-            raise ModelError(f"{self.path.name} has no chat template (set chat_template in models.toml, or drop --chat)")
+    def apply_builtin_template(self, messages: list[dict[str, str]], name: str) -> str:
+        """Render role/content messages with one of llama.cpp's built-in templates ("chatml",
+        "gemma", ...), ending with the assistant's turn."""
         keep = [(m["role"].encode(), m["content"].encode()) for m in messages]  # alive across the calls
         chat = (llama_cpp.llama_chat_message * len(keep))(*(llama_cpp.llama_chat_message(r, c) for r, c in keep))
         size = 0
         buf = None
         while True:
-            n = llama_cpp.llama_chat_apply_template(template, chat, len(keep), True, buf, size)
+            n = llama_cpp.llama_chat_apply_template(name.encode(), chat, len(keep), True, buf, size)
             if n < 0:
-                raise ModelError(f"llama.cpp does not support the chat template of {self.path.name}")
+                raise ModelError(f"{name!r} is neither a Jinja file nor one of llama.cpp's built-in templates")
             if n <= size:
                 return buf.raw[:n].decode()
             size = n

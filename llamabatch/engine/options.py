@@ -52,6 +52,7 @@ class EngineOptions:
     tensor_split: str | None = None  # N0,N1,...
     rpc_timeout: float | None = None
     chat: bool | None = None
+    chat_template: str | None = None  # a Jinja file, or a llama.cpp built-in's name
     max_itl: str | None = None  # a duration (150ms): --parallel auto keeps p95 inter-token latency within it
     verbose: bool = False
 
@@ -87,7 +88,7 @@ class EngineOptions:
             checkpoint_memory=self.checkpoint_memory, embed_pack=self.embed_pack,
             scheduling=self.scheduling_policy, lora=self.lora, cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v, flash_attn=self.flash_attn, rpc=self.rpc, tensor_split=self.tensor_split,
-            rpc_timeout=self.rpc_timeout, chat=self.chat, verbose=self.verbose,
+            rpc_timeout=self.rpc_timeout, chat=self.chat, chat_template=self.chat_template, verbose=self.verbose,
         )
 
     def tuning(self, max_batch: int | None = None, say=None, again: bool = False,

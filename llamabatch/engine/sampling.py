@@ -10,12 +10,15 @@ import numpy as np
 from ..errors import SamplingError
 from .adapters import adapter_set
 from .results import PromptScore, TokenLogprob
+from ..chat.reasoning import ThinkingBudget
 from .truncation import Scratch, draw
 
 MAX_SEED = 2**32 - 2  # 2**32 - 1 is llama.cpp's "pick a random seed"
 MAX_SAMPLES = 1024
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
+
+CONSTRAINTS = ("json_schema", "grammar", "regex", "choice", "lark")  # SamplingParams' constraint fields
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class SamplingParams:
     grammar: str | None = None  # a GBNF grammar (llama.cpp's format)
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # exactly one of these strings
+    lark: str | None = None  # a Lark grammar in llguidance's dialect (what tool calls are held to)
+    # A reasoning model's thought is closed for it after this many tokens (thinking.ThinkingBudget)
+    thinking_budget: ThinkingBudget | None = None
     # LoRA adapters to decode under, as (adapter id, scale) pairs (llama-server's `lora` field;
     # ids absent are off). None: the engine's default, its --lora adapters.
     adapters: tuple[tuple[int, float], ...] | None = None
@@ -94,16 +100,18 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 yield f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
+        if self.thinking_budget is not None and self.thinking_budget.tokens < 1:
+            yield f"a thinking budget must be >= 1 token, got {self.thinking_budget.tokens}"
         if any(not s for s in self.stop):
             yield "stop strings must not be empty"
         if self.json_schema == "":
             yield "json_schema must be a JSON object (a schema), or its JSON text"
-        given = [name for name in ("json_schema", "grammar", "regex", "choice") if getattr(self, name) is not None]
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
         if len(given) > 1:
             yield f"at most one constraint, got {' and '.join(given)}"
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             yield "choice must be a non-empty list of non-empty strings"
-        for name in ("grammar", "regex"):
+        for name in ("grammar", "regex", "lark"):
             if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
                 yield f"{name} must be a non-empty string"
 

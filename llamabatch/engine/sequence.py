@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .adapters import BASE, AdapterSet
+from .thinking import Thought
 from .results import PromptScore, Result, Timings, TokenLogprob
 from .sampling import GreedySampler, RowSampler, SamplingParams
 from .speculation import DraftSampler, DraftState
@@ -65,6 +66,8 @@ class Sequence:
     # Sampled otherwise than by its sampler alone (a constraint, log-probabilities, or no tokens
     # to generate): the engine's general path, which plain rows skip. Set once, when it is added.
     special: bool = False
+    thought: Thought | None = None  # a thinking budget's watch over its thought
+    forced: list[int] = field(default_factory=list)  # tokens to write next instead of sampling (a thought's close)
     drafting: DraftState | None = None  # speculative decoding: its acceptance rate (and n-gram index)
     draft_sampler: DraftSampler | None = None  # and, when it samples, how they are verified
     draft: list[int] = field(default_factory=list)  # tokens proposed after the last one, this step

@@ -52,7 +52,7 @@ class Speculator:
             return None
         if any(s.adapters != generating[0].adapters for s in generating):
             return None  # the step will decode one adapter set's sequences: drafts only when all share one
-        eligible = [s for s in generating if s.n_pending == 1 and s.matcher is None
+        eligible = [s for s in generating if s.n_pending == 1 and s.matcher is None and s.thought is None
                     and (s.sampler.greedy or s.params.verifiable)]
         if not eligible:
             return None

@@ -22,6 +22,7 @@ class TextStream:
         self._shown: list[str] = []
         self._pending = ""  # decoded but not shown: it could begin a stop string
         self.stopped = False
+        self.stop_hit: str | None = None  # the stop string that cut it (Anthropic's stop_sequence)
 
     @property
     def text(self) -> str:
@@ -39,11 +40,12 @@ class TextStream:
             return new
         pending = self._pending + new
         # A stop can only start in the unshown tail: shown text never holds a stop prefix.
-        hits = [i for i in (pending.find(s) for s in self._stop) if i >= 0]
+        hits = [(i, s) for s in self._stop if (i := pending.find(s)) >= 0]
         if hits:
+            at, self.stop_hit = min(hits)
             self.stopped = True
             self._pending = ""
-            return self._show(pending[: min(hits)])
+            return self._show(pending[:at])
         keep = self._held_back(pending)
         self._pending = pending[len(pending) - keep :]
         return self._show(pending[: len(pending) - keep])

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..engine import BatchEngine, SamplingParams
 from ..engine.tuning import Tuning
 from ..errors import LlamabatchError
-from ..openai_format import engine_inputs
+from ..openai_format import EngineInputs, engine_inputs
 from .inputs import BadLine, RequestReader
 
 
@@ -45,7 +45,8 @@ def estimate(engine: BatchEngine, source: str | Path, base: SamplingParams | Non
                 requests += 1
                 continue
             try:
-                prompts, params = engine_inputs(item.body, engine) if item.body is not None else ([item.prompt], item.params)
+                inputs = engine_inputs(item.body, engine) if item.body is not None else EngineInputs([item.prompt], item.params)
+                prompts, params = inputs.prompts, inputs.params
                 lengths = [len(p) if isinstance(p, list) else len(engine.tokenize_prompt(p)) for p in prompts]
             except LlamabatchError:
                 bad += 1  # refused when it runs, as here

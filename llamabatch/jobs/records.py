@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
+from ..chat.conversation import Answer
 from ..embeddings_format import EmbedSettings, embeddings_body
 from ..engine import BatchEngine, Sequence
 from ..openai_format import ENDPOINTS, error_body, new_id, response_body, usage
@@ -17,11 +18,14 @@ from .inputs import BadLine, Format, JobLine
 # checks the input still asks the same before it skips what is written.
 
 
-def result_record(fmt: Format, request: JobLine, sequences: Seq[Sequence], engine: BatchEngine, created: int) -> dict:
-    """A finished request's output line."""
+def result_record(
+    fmt: Format, request: JobLine, sequences: Seq[Sequence], engine: BatchEngine, created: int, answer: Answer | None = None,
+) -> dict:
+    """A finished request's output line (`answer`: how a chat answer's tool calls and reasoning are read)."""
     if fmt is Format.OPENAI:
         kind = ENDPOINTS[request.url][1]
-        body = response_body(kind, new_id(kind), created, request.body.model or engine.model_name, sequences, engine.vocab, request.body.shown())
+        body = response_body(kind, new_id(kind), created, request.body.model or engine.model_name, sequences, engine.vocab,
+                             request.body.shown(), answer)
         return {"id": _batch_id(), "custom_id": request.id,
                 "response": {"status_code": 200, "request_id": _request_id(), "body": body}, "error": None,
                 "request_digest": request.digest}

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, replace
 
 from ..engine import BatchEngine, Event, SamplingParams, Sequence, Status
 from ..errors import LlamabatchError
-from ..openai_format import check_base_model, engine_inputs, failure, refusal_status, usage
+from ..chat.conversation import Answer
+from ..openai_format import EngineInputs, check_base_model, engine_inputs, failure, refusal_status, usage
 from .inputs import BadLine, Format, JobLine
 from ..embeddings_format import EmbedSettings, embedding_tokens
 from .records import embedding_record, error_record, incomplete_record, result_record
@@ -38,6 +39,7 @@ class _Open:
     request: JobLine
     sequences: list[Sequence] = field(default_factory=list)
     n_open: int = 0
+    answer: Answer | None = None  # chat: how its answers' tool calls and reasoning are read
 
 
 class RequestRunner:
@@ -140,9 +142,10 @@ class RequestRunner:
         """Queue the request's prompts; one that cannot run fails the request alone."""
         req = _Open(request)
         try:
-            prompts, params = (
-                engine_inputs(request.body, self.engine) if request.body is not None else ([request.prompt], self._params(request))
+            inputs = (
+                engine_inputs(request.body, self.engine) if request.body is not None else EngineInputs([request.prompt], self._params(request))
             )
+            req.answer, prompts, params = inputs.answer, inputs.prompts, inputs.params
             for i, prompt in enumerate(prompts):
                 try:
                     priority = self.priority + (request.body.priority if request.body is not None else 0)
@@ -223,7 +226,7 @@ class RequestRunner:
 
     def _result(self, req: _Open) -> Outcome:
         counted = usage(req.sequences)
-        record = result_record(self.format, req.request, req.sequences, self.engine, self._created)
+        record = result_record(self.format, req.request, req.sequences, self.engine, self._created, req.answer)
         cut = [s for s in req.sequences if s.incomplete]
         ok = not (cut and self.incomplete_errors)
         if not ok:  # the whole answer, marked, in the error file: nothing generated is lost

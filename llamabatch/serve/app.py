@@ -34,10 +34,12 @@ from ..openai_format import (
     ChatRequest, CompletionRequest, check_base_model, engine_inputs, error_body, failure, refusal_status,
     request_params, validation_message,
 )
+from .anthropic_api import anthropic_routes, error_body as anthropic_error_body
 from .batch_api import batch_routes, resume_batches
 from .metrics import Metrics
 from .store import Store
 from .openai_api import BatchRequest, Reply
+from .responses_api import responses_routes
 from .tokenizer_api import tokenizer_routes
 from .worker import EngineUnavailable, EngineWorker, PoolingSubmission, QueueFull, Submission
 
@@ -51,6 +53,7 @@ class ServerSettings:
     pooling: Pooling | None = None  # /v1/embeddings: the GGUF's pooling, else mean, unless set
     data_dir: Path | None = None  # files and batches (OpenAI's Batch API); None: no batch API
     max_upload: int = 200 << 20  # bytes a file upload may have (413 beyond)
+    reasoning_budget: int = -1  # a chat request's thought in tokens at most, unless it says (-1: no limit, 0: no thinking)
 
 # -- the app -----------------------------------------------------------------------------
 
@@ -84,11 +87,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
             allowed = {m for route in app.routes if isinstance(route, APIRoute) and route.path_regex.match(request.url.path)
                        for m in route.methods}
             headers = {**(headers or {}), "Allow": ", ".join(sorted(allowed))}
-        return _error(exc.status_code, str(exc.detail), headers=headers)
+        return _error(exc.status_code, str(exc.detail), headers=headers, anthropic=_is_anthropic(request))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc: RequestValidationError):
-        return _error(400, validation_message(exc.errors()))
+        return _error(400, validation_message(exc.errors()), anthropic=_is_anthropic(request))
 
     @app.get("/health", responses=_errors(503))
     async def health() -> dict:
@@ -129,11 +132,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
     async def answer(body: CompletionRequest | ChatRequest, kind: str, http: HttpRequest):
         engine = _engine(worker)
         try:  # a chat template rendered, and tokenized, on a thread of its own: the event loop serves the streams
-            prompts, params = await asyncio.to_thread(engine_inputs, body, engine)
+            inputs = await asyncio.to_thread(engine_inputs, body, engine, settings.reasoning_budget)
         except LlamabatchError as e:
             raise HTTPException(refusal_status(e), str(e)) from None
-        submission = await _submit(worker, prompts, params, metrics, settings.request_timeout, body.priority)
-        reply = Reply(submission, engine, kind, settings.request_timeout, metrics, body.shown(), body.model)
+        submission = await _submit(worker, inputs.prompts, inputs.params, metrics, settings.request_timeout, body.priority)
+        reply = Reply(submission, engine, kind, settings.request_timeout, metrics, body.shown(), body.model, inputs.answer)
         if body.stream:
             chunks = reply.chat_chunks(worker) if kind == "chat.completion" else reply.completion_chunks(worker)
             return StreamingResponse(chunks, media_type="text/event-stream")
@@ -167,6 +170,16 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return rerank_body([row[0] for row in rows], body, _engine(worker).model_name, n_tokens)
 
     app.include_router(tokenizer_routes(lambda: _engine(worker), authorized, _errors))
+
+    async def submit(prompts: list, params: SamplingParams, priority: int) -> Submission:
+        return await _submit(worker, prompts, params, metrics, settings.request_timeout, priority)
+
+    def make_reply(submission: Submission, model: str | None, answer) -> Reply:
+        return Reply(submission, _engine(worker), "chat.completion", settings.request_timeout, metrics, model=model, answer=answer)
+
+    app.include_router(anthropic_routes(worker, lambda: _engine(worker), submit, make_reply, authorized, _errors, settings.reasoning_budget))
+    app.include_router(responses_routes(worker, lambda: _engine(worker), submit, make_reply, authorized, _errors, settings.reasoning_budget,
+                                        store))
     if store is not None:
         app.include_router(batch_routes(store, worker, authorized, _errors, settings.max_upload))
     return app
@@ -204,8 +217,9 @@ _WHY = {
 }
 
 
-def _errors(*codes: int) -> dict:
-    return {code: {"model": ErrorBody, "description": _WHY[code]} for code in codes}
+def _errors(*codes: int, body: type[BaseModel] = ErrorBody) -> dict:
+    """The OpenAPI answers of these error statuses (`body`: the error's shape on the route)."""
+    return {code: {"model": body, "description": _WHY[code]} for code in codes}
 
 
 # Generation routes answer JSON, or Server-Sent Events with "stream": true.
@@ -252,8 +266,11 @@ def _authorization(api_key: str | None):
         if api_key is None:
             return
         given = http.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise HTTPException(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        if secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return
+        # Anthropic's clients send the key as x-api-key
+        if not secrets.compare_digest(http.headers.get("x-api-key", "").encode(), api_key.encode()):
+            raise HTTPException(401, "missing or wrong API key (Authorization: Bearer KEY, or x-api-key: KEY)")
 
     return check
 
@@ -330,5 +347,11 @@ async def _pool(worker: EngineWorker, tokens, pooling: Pooling | None, timeout: 
         raise HTTPException(504, f"the embeddings took longer than {timeout:g} s") from None
 
 
-def _error(status: int, message: str, kind: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, kind), status_code=status, headers=headers)
+def _error(status: int, message: str, kind: str | None = None, headers: dict | None = None, anthropic: bool = False) -> JSONResponse:
+    """OpenAI's error body, or Anthropic's on its routes (as its clients read errors)."""
+    body = anthropic_error_body(status, message) if anthropic else error_body(status, message, kind)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _is_anthropic(request: HttpRequest) -> bool:
+    return request.url.path.startswith("/v1/messages")

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import HTTPException, Request as HttpRequest
 from pydantic import Field
 
+from ..chat.conversation import Answer
 from ..engine import BatchEngine, Event
 from ..openai_format import (
     NonEmptyStr, SamplingFields, Shown, chat_logprobs, choice_index, completion_logprobs, error_body, failure, new_id,
@@ -31,11 +32,11 @@ class Reply:
 
     def __init__(
         self, submission: Submission, engine: BatchEngine, kind: str, timeout: float, metrics: Metrics, shown: Shown = Shown(),
-        model: str | None = None,
+        model: str | None = None, answer: Answer | None = None,
     ) -> None:
         # the model the request named (an adapter's name answers as that adapter, as vLLM does)
         self.submission, self.model, self.kind, self.timeout, self.metrics = submission, model or engine.model_name, kind, timeout, metrics
-        self.shown = shown
+        self.shown, self.answer = shown, answer or Answer()
         self.vocab = engine.vocab  # pieces are cached and read-only: safe beside the engine thread
         self.id = new_id(kind)
         self.created = int(time.time())
@@ -71,29 +72,40 @@ class Reply:
             else:
                 self.metrics.finished.inc()
 
+    async def answer_deltas(self, worker: EngineWorker) -> AsyncIterator[dict]:
+        """A one-sequence chat request's answer as it comes, as Answer.stream's deltas
+        (reasoning_content, content, tool_calls); an HTTPException once it has failed."""
+        stream = self.answer.stream()
+        async for event in self.events(worker):
+            if event.finish_reason is not None:
+                self.raise_if_failed()
+            if event.text or event.finish_reason:
+                for delta in stream.feed(event.text, final=event.finish_reason is not None):
+                    yield delta
+
     def _object(self, choices: list, **extra) -> dict:
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    async def _drain(self, worker: EngineWorker, http: HttpRequest) -> None:
+    async def drain(self, worker: EngineWorker, http: HttpRequest) -> None:
         """Wait for every sequence to finish; an HTTPException when the request failed."""
         async for _ in self.events(worker, http):
             pass
         if self.n_open:
             raise HTTPException(499, "the client disconnected")
-        self._raise_if_failed()
+        self.raise_if_failed()
 
-    def _raise_if_failed(self) -> None:
+    def raise_if_failed(self) -> None:
         verdict = failure(self.submission.sequences)
         if verdict is not None:
             raise HTTPException(verdict.status, verdict.message)
 
     async def whole(self, worker: EngineWorker, http: HttpRequest) -> dict:
         """The completion or chat.completion object, once every sequence has finished."""
-        await self._drain(worker, http)
-        return response_body(self.kind, self.id, self.created, self.model, self.submission.sequences, self.vocab, self.shown)
+        await self.drain(worker, http)
+        return response_body(self.kind, self.id, self.created, self.model, self.submission.sequences, self.vocab, self.shown, self.answer)
 
     async def batch(self, worker: EngineWorker, http: HttpRequest) -> dict:
-        await self._drain(worker, http)
+        await self.drain(worker, http)
         results = []
         for seq in self.submission.sequences:
             result = seq.result()
@@ -118,7 +130,7 @@ class Reply:
         started: set[int] = set()
         async for event in self.events(worker):
             if event.finish_reason is not None:
-                self._raise_if_failed()  # an error event, then [DONE]; the others are cancelled
+                self.raise_if_failed()  # an error event, then [DONE]; the others are cancelled
             seq = self._by_uid[event.uid]
             if seq.uid not in started:  # a choice's first chunk: the prompt, if the request asked for it
                 started.add(seq.uid)
@@ -144,17 +156,22 @@ class Reply:
         return [self._chunk([choice])]
 
     async def _chat_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
+        streams = {seq.uid: self.answer.stream() for seq in self.submission.sequences}  # each choice's reasoning and calls
         for seq in self.submission.sequences:
             first = {"index": seq.sample, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
             yield self._chunk([first], object="chat.completion.chunk")
         async for event in self.events(worker):
             if event.finish_reason is not None:
-                self._raise_if_failed()
-            if event.text or event.finish_reason:
-                delta = {"content": event.text} if event.text else {}
-                logprobs = chat_logprobs([event.logprob] if event.logprob else [], self._by_uid[event.uid], self.vocab)
-                choice = {"index": event.sample, "delta": delta, "logprobs": logprobs,
-                          "finish_reason": event.finish_reason}
+                self.raise_if_failed()
+            deltas = streams[event.uid].feed(event.text, final=event.finish_reason is not None) if event.text or event.finish_reason else []
+            logprobs = chat_logprobs([event.logprob] if event.logprob else [], self._by_uid[event.uid], self.vocab)
+            finish = Answer.finish_reason(event.finish_reason, streams[event.uid].called)
+            if event.finish_reason and not deltas:
+                deltas = [{}]
+            for i, delta in enumerate(deltas):  # logprobs ride on the first, the finish reason on the last
+                last = i == len(deltas) - 1
+                choice = {"index": event.sample, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                          "finish_reason": finish if last else None}
                 yield self._chunk([choice], object="chat.completion.chunk")
         for chunk in self._usage_chunk(object="chat.completion.chunk"):
             yield chunk

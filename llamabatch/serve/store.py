@@ -1,4 +1,4 @@
-"""The server's files and batches, durable under --data-dir: their contents as files on disk,
+"""The server's files, batches and stored responses, durable under --data-dir: their contents as files on disk,
 their metadata in SQLite (WAL mode, each change committed before it is answered), so a server
 killed at any moment starts again knowing every file and every batch's state.
 
@@ -40,16 +40,19 @@ CREATE TABLE IF NOT EXISTS batches (
     total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
     input_tokens INTEGER NOT NULL DEFAULT 0, output_tokens INTEGER NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, body TEXT NOT NULL, conversation TEXT NOT NULL
+);
 """
 _FILE_FIELDS = ("id", "filename", "purpose", "bytes", "created_at", "path")
 _TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 
 
 class NotFound(LlamabatchError):
-    """No file or batch has that id."""
+    """No file, batch or response has that id."""
 
 
-ROW_NOUN = {"files": "file", "batches": "batch"}  # what a row of each table is called in messages
+ROW_NOUN = {"files": "file", "batches": "batch", "responses": "response"}  # what a row of each table is called in messages
 
 
 def default_data_dir() -> Path:
@@ -102,6 +105,27 @@ class Store:
     def _sql(self) -> Iterator[sqlite3.Connection]:
         with self._mutex:
             yield self._db
+
+    # -- responses (OpenAI's Responses API, for previous_response_id) -------------------------
+
+    def add_response(self, body: dict, conversation: list[dict]) -> None:
+        """A response object, and its whole conversation as chat messages (what a later
+        request naming it as previous_response_id continues)."""
+        with self._sql() as db:
+            db.execute("INSERT INTO responses VALUES (?, ?, ?, ?)",
+                       (body["id"], int(body["created_at"]), json.dumps(body), json.dumps(conversation)))
+
+    def response(self, response_id: str) -> tuple[dict, list[dict]]:
+        with self._sql() as db:
+            row = db.execute("SELECT body, conversation FROM responses WHERE id = ?", (response_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"no response with id {response_id!r}")
+        return json.loads(row["body"]), json.loads(row["conversation"])
+
+    def delete_response(self, response_id: str) -> None:
+        with self._sql() as db:
+            if db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount == 0:
+                raise NotFound(f"no response with id {response_id!r}")
 
     # -- files -----------------------------------------------------------------------------
 

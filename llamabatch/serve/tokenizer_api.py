@@ -69,7 +69,7 @@ def tokenizer_routes(engine: Callable[[], BatchEngine], authorized, errors: Call
         return {
             "tokenizer_class": "llama.cpp", "eos_token": vocab.text(vocab.eos), "bos_token": vocab.text(vocab.bos),
             "pad_token": vocab.text(vocab.pad if vocab.pad >= 0 else vocab.eos), "add_bos_token": vocab.add_bos, "model_max_length": current.ctx.n_ctx_seq,
-            "chat_template": current.model.chat_template_text(current.chat_template), "vocab_size": vocab.n_vocab,
+            "chat_template": current.chat.template.source if current.chat else None, "vocab_size": vocab.n_vocab,
         }
 
     return router

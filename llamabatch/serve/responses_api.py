@@ -1,0 +1,405 @@
+"""OpenAI's Responses API: POST /v1/responses (whole, or streamed as its typed events),
+GET and DELETE /v1/responses/{id}, for the official client's `responses.create` and the agent
+tools that speak it.
+
+As Anthropic's route does, a request is translated into the chat request it means (instructions,
+input items, function tools and calls, a stored conversation continued by previous_response_id)
+and runs as /v1/chat/completions runs it; the answer comes back as output items: reasoning,
+message, function calls. Responses are kept in the server's store (--data-dir) unless `store`
+is false."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal, Union
+
+from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
+from fastapi.responses import StreamingResponse
+from pydantic import Field, StrictBool, StrictStr
+
+from ..engine import BatchEngine
+from ..errors import LlamabatchError
+from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, refusal_status, usage
+from .openai_api import Reply
+from .store import NotFound, Store
+from .worker import EngineWorker
+
+
+class InputText(Body):
+    type: Literal["input_text", "output_text"]
+    text: Text
+    annotations: list | None = None  # an earlier output's, sent back
+    logprobs: list | None = None
+
+
+class MessageItem(Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Text | list[InputText]
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+    phase: StrictStr | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(Body):
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: NonEmptyStr
+    arguments: StrictStr
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+class FunctionCallOutputItem(Body):
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: Text | list[InputText]
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+class ReasoningText(Body):
+    type: Literal["reasoning_text", "summary_text"]
+    text: Text
+
+
+class ReasoningItem(Body):
+    type: Literal["reasoning"]
+    id: StrictStr | None = None
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+class FunctionTool(Body):
+    type: Literal["function"]
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None  # calls are held to the schema either way
+
+
+class NamedFunction(Body):
+    type: Literal["function"]
+    name: StrictStr
+
+
+class TextFormat(Body):
+    type: Literal["text", "json_schema", "json_object"]
+    name: StrictStr | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+    description: StrictStr | None = None
+
+
+class TextConfig(Body):
+    format: TextFormat | None = None
+    verbosity: StrictStr | None = None  # one verbosity here
+
+
+class ReasoningConfig(Body):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: StrictStr | None = None  # thoughts come whole, as reasoning_text; no summaries are written
+
+
+class ResponsesRequest(Body):
+    model: StrictStr
+    input: Text | list[Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem]]
+    instructions: Text | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: StrictBool | None = None
+    max_output_tokens: integer(ge=1) | None = None
+    temperature: number(ge=0, le=2) | None = None
+    top_p: number(gt=0, le=1) | None = None
+    stream: StrictBool = False
+    previous_response_id: StrictStr | None = None
+    store: StrictBool = True
+    metadata: dict[StrictStr, StrictStr] | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    user: StrictStr | None = None
+    truncation: Literal["disabled"] | None = None  # a conversation longer than the context is refused, never cut
+    service_tier: StrictStr | None = None
+    # Extra output asked for: none of it applies here (thoughts come in plain text, never
+    # encrypted), and what would (log-probabilities) is refused by omission.
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
+
+    def conversation(self) -> list[dict]:
+        """This request's input as chat messages (without the instructions, which apply to
+        this response only): consecutive function calls and an assistant's text are one
+        assistant turn, a reasoning item is that turn's thought."""
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        messages: list[dict] = []
+        thought = None
+        for item in items:
+            if isinstance(item, ReasoningItem):
+                thought = "".join(part.text for part in item.content or item.summary)
+                continue
+            if isinstance(item, FunctionCallOutputItem):
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+                continue
+            turn = messages[-1] if messages and messages[-1]["role"] == "assistant" and isinstance(item, FunctionCallItem) else None
+            if isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+                if turn is None:
+                    turn = {"role": "assistant", "content": None}
+                    messages.append(turn)
+                turn.setdefault("tool_calls", []).append(call)
+            else:
+                turn = {"role": item.role, "content": item.text()}
+                messages.append(turn)
+            if thought is not None and turn["role"] == "assistant":
+                turn["reasoning_content"], thought = thought, None
+        return messages
+
+    def chat_request(self, earlier: list[dict]) -> ChatRequest:
+        """The chat request this one means, after the `earlier` conversation it continues."""
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        fields: dict = {"model": self.model, "messages": system + earlier + self.conversation(), "stream": self.stream}
+        if self.max_output_tokens is not None:
+            fields["max_tokens"] = self.max_output_tokens
+        for name in ("temperature", "top_p", "parallel_tool_calls"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        if self.tools:
+            fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)} for t in self.tools]
+        if self.tool_choice is not None:
+            fields["tool_choice"] = (self.tool_choice if isinstance(self.tool_choice, str)
+                                     else {"type": "function", "function": {"name": self.tool_choice.name}})
+        if self.text is not None and self.text.format is not None and self.text.format.type != "text":
+            form = self.text.format
+            if form.type == "json_schema" and form.schema_ is None:
+                raise LlamabatchError("text.format: type json_schema needs a schema")
+            fields["response_format"] = {"type": "json_object", "schema": form.schema_ or {"type": "object"}}
+        if self.reasoning is not None and self.reasoning.effort == "none":
+            fields["reasoning_budget"] = 0
+        return ChatRequest.model_validate(fields)
+
+
+def output_items(message: dict) -> list[dict]:
+    """An assistant message (Answer.message) as the Responses API's output items."""
+    items = []
+    if message.get("reasoning_content"):
+        items.append(_reasoning_item(message["reasoning_content"]))
+    if message.get("content"):
+        items.append(_message_item(message["content"]))
+    for call in message.get("tool_calls") or ():
+        items.append(_call_item(call))
+    return items
+
+
+def _reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+
+def _message_item(text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": _id("msg"), "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(call: dict, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"], "status": status}
+
+
+def response_object(body: ResponsesRequest, response_id: str, created: float, output: list[dict], status: str, sequences=()) -> dict:
+    """The response object: in progress (no output yet), or completed or incomplete with its usage."""
+    tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters or {"type": "object", "properties": {}},
+              "strict": t.strict if t.strict is not None else True} for t in body.tools or ()]
+    choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunction) else body.tool_choice or "auto"
+    obj = {"id": response_id, "object": "response", "created_at": created, "status": status, "model": body.model, "output": output,
+           "instructions": body.instructions, "tools": tools, "tool_choice": choice,
+           "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+           "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+           "previous_response_id": body.previous_response_id, "metadata": body.metadata or {}, "store": body.store,
+           "text": {"format": {"type": "text"}} if body.text is None else body.text.model_dump(by_alias=True, exclude_none=True),
+           "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None, "usage": None}
+    if sequences:
+        counted = usage(sequences)
+        obj["usage"] = {"input_tokens": counted["prompt_tokens"], "output_tokens": counted["completion_tokens"],
+                        "total_tokens": counted["total_tokens"],
+                        "input_tokens_details": {"cached_tokens": counted["prompt_tokens_details"]["cached_tokens"], "cache_write_tokens": 0},
+                        "output_tokens_details": {"reasoning_tokens": 0}}
+        obj["completed_at"] = time.time()
+    return obj
+
+
+def responses_routes(
+    worker: EngineWorker, engine: Callable[[], BatchEngine], submit: Callable, make_reply: Callable[..., Reply],
+    authorized, errors, reasoning_budget: int, store: Store | None,
+) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(authorized)])
+
+    def translated(body: ResponsesRequest):
+        try:
+            earlier = []
+            if body.previous_response_id is not None:
+                if store is None:
+                    raise LlamabatchError("previous_response_id: this server keeps no responses (it has no --data-dir)")
+                earlier = store.response(body.previous_response_id)[1]
+            chat = body.chat_request(earlier)
+            return chat, engine_inputs(chat, engine(), reasoning_budget)
+        except NotFound as e:
+            raise HTTPException(404, str(e)) from None
+        except LlamabatchError as e:
+            raise HTTPException(refusal_status(e), str(e)) from None
+
+    def kept(body: ResponsesRequest, chat: ChatRequest, obj: dict, message: dict) -> None:
+        """Store a finished response with its conversation (instructions apart: they are this response's)."""
+        if store is None or not body.store:
+            return
+        conversation = [m.rendered() for m in chat.messages if not (body.instructions and m is chat.messages[0])]
+        store.add_response(obj, conversation + [{k: v for k, v in message.items() if v is not None}])
+
+    @router.post("/v1/responses", responses=errors(400, 401, 404, 429, 500, 503, 504))
+    async def create(body: ResponsesRequest, http: HttpRequest):
+        chat, inputs = await asyncio.to_thread(translated, body)
+        submission = await submit(inputs.prompts, inputs.params, chat.priority)
+        reply = make_reply(submission, chat.model, inputs.answer)
+        response_id, created = _id("resp"), time.time()
+        if body.stream:
+            return StreamingResponse(_events(body, chat, reply, worker, response_id, created, kept), media_type="text/event-stream")
+        await reply.drain(worker, http)
+        seq = submission.sequences[0]
+        message = reply.answer.message(seq.text.text)
+        status = "incomplete" if seq.finish_reason == "length" else "completed"
+        obj = response_object(body, response_id, created, output_items(message), status, submission.sequences)
+        await asyncio.to_thread(kept, body, chat, obj, message)
+        return obj
+
+    @router.get("/v1/responses/{response_id}", responses=errors(401, 404))
+    async def get(response_id: str) -> dict:
+        return _stored(store, response_id)[0]
+
+    @router.delete("/v1/responses/{response_id}", responses=errors(401, 404))
+    async def delete(response_id: str) -> dict:
+        _stored(store, response_id)
+        store.delete_response(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    return router
+
+
+def _stored(store: Store | None, response_id: str) -> tuple[dict, list[dict]]:
+    if store is None:
+        raise HTTPException(404, f"no response with id {response_id!r}: this server keeps no responses (it has no --data-dir)")
+    try:
+        return store.response(response_id)
+    except NotFound as e:
+        raise HTTPException(404, str(e)) from None
+
+
+async def _events(body, chat, reply: Reply, worker: EngineWorker, response_id: str, created: float, kept) -> AsyncIterator[str]:
+    """The Responses API's stream: response.created and .in_progress; per output item its
+    .output_item.added, content part, deltas (.reasoning_text, .output_text,
+    .function_call_arguments) and their .done events, .output_item.done; then .completed (or
+    .incomplete when max_output_tokens cut it). A failure after the start is response.failed."""
+    events = _Events(response_id)
+    start = response_object(body, response_id, created, [], "in_progress")
+    yield events.send("response.created", response=start)
+    yield events.send("response.in_progress", response=start)
+    message: dict = {"role": "assistant", "content": ""}
+    try:
+        async for delta in reply.answer_deltas(worker):
+            for chunk in events.delta(delta):
+                yield chunk
+            message["content"] += delta.get("content", "")
+            if delta.get("reasoning_content"):
+                message["reasoning_content"] = message.get("reasoning_content", "") + delta["reasoning_content"]
+            if delta.get("tool_calls"):
+                message.setdefault("tool_calls", []).extend({k: v for k, v in c.items() if k != "index"} for c in delta["tool_calls"])
+    except HTTPException as e:
+        failed = {**start, "status": "failed", "error": {"code": "server_error" if e.status_code >= 500 else "invalid_prompt",
+                                                          "message": str(e.detail)}}
+        yield events.send("response.failed", response=failed)
+        return
+    for chunk in events.close():
+        yield chunk
+    seq = reply.submission.sequences[0]
+    status = "incomplete" if seq.finish_reason == "length" else "completed"
+    obj = response_object(body, response_id, created, events.items, status, reply.submission.sequences)
+    await asyncio.to_thread(kept, body, chat, obj, {**message, "content": message["content"] or None})
+    yield events.send(f"response.{status}", response=obj)
+
+
+class _Events:
+    """The open output item of a stream, and the events' sequence numbers."""
+
+    def __init__(self, response_id: str) -> None:
+        self.number = 0
+        self.items: list[dict] = []  # finished output items
+        self.open: dict | None = None
+
+    def send(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.number, **fields}
+        self.number += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def delta(self, delta: dict) -> list[str]:
+        out = []
+        if delta.get("reasoning_content"):
+            out += self._open("reasoning")
+            out.append(self._text_delta("response.reasoning_text.delta", delta["reasoning_content"]))
+        if delta.get("content"):
+            out += self._open("message")
+            out.append(self._text_delta("response.output_text.delta", delta["content"], logprobs=[]))
+        for call in delta.get("tool_calls") or ():
+            out += self.close()
+            item = _call_item(call, "in_progress")
+            index = len(self.items)
+            out.append(self.send("response.output_item.added", output_index=index, item={**item, "arguments": ""}))
+            out.append(self.send("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"]))
+            out.append(self.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                 arguments=item["arguments"], name=item["name"]))
+            item["status"] = "completed"
+            out.append(self.send("response.output_item.done", output_index=index, item=item))
+            self.items.append(item)
+        return out
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        item, self.open = self.open, None
+        index = len(self.items)
+        part = item["content"][0]
+        if item["type"] == "reasoning":
+            done = [self.send("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"])]
+        else:
+            done = [self.send("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"], logprobs=[])]
+        item["status"] = "completed"
+        done.append(self.send("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part))
+        done.append(self.send("response.output_item.done", output_index=index, item=item))
+        self.items.append(item)
+        return done
+
+    def _open(self, kind: str) -> list[str]:
+        if self.open is not None and self.open["type"] == kind:
+            return []
+        out = self.close()
+        self.open = _reasoning_item("", "in_progress") if kind == "reasoning" else _message_item("", "in_progress")
+        index = len(self.items)
+        empty = {**self.open, "content": []}
+        out.append(self.send("response.output_item.added", output_index=index, item=empty))
+        out.append(self.send("response.content_part.added", item_id=self.open["id"], output_index=index, content_index=0,
+                             part=dict(self.open["content"][0])))
+        return out
+
+    def _text_delta(self, kind: str, text: str, **extra) -> str:
+        self.open["content"][0]["text"] += text
+        return self.send(kind, item_id=self.open["id"], output_index=len(self.items), content_index=0, delta=text, **extra)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
