@@ -159,6 +159,24 @@ class SamplingFields(Body):
     # llama-server's LoRA choice: these adapters at these scales, every other at 0 (without it,
     # the server's --lora set). vLLM's way is `model`: an adapter's name, as /v1/models lists it.
     lora: list[LoraEntry] | None = None
+    # llama.cpp's further samplers, named as llama-server names them (min_tokens, bad_words: vLLM's);
+    # a row that uses one is drawn by a llama.cpp chain of its own. Defaults: off.
+    dry_multiplier: number(ge=0) = 0.0
+    dry_base: number(ge=1) = 1.75
+    dry_allowed_length: integer(ge=1) = 2
+    dry_penalty_last_n: integer(ge=-1) = -1
+    dry_sequence_breakers: list[NonEmptyStr] = ["\n", ":", '"', "*"]
+    xtc_probability: number(ge=0, le=1) = 0.0
+    xtc_threshold: number(ge=0, le=1) = 0.1
+    mirostat: integer(ge=0, le=2) = 0
+    mirostat_tau: number(ge=0) = 5.0
+    mirostat_eta: number(gt=0) = 0.1
+    typical_p: number(gt=0, le=1) = 1.0
+    top_n_sigma: number() = -1.0
+    dynatemp_range: number(ge=0) = 0.0
+    dynatemp_exponent: number(gt=0) = 1.0
+    min_tokens: integer(ge=0) = 0
+    bad_words: list[NonEmptyStr] | None = None
     # Constrained output, in each peer's shape: OpenAI, llama-server, vLLM. At most one.
     response_format: ResponseFormat | None = None
     grammar: NonEmptyStr | None = None  # llama-server: GBNF
@@ -171,7 +189,7 @@ class SamplingFields(Body):
         fields = self.model_dump(include=_ENGINE_FIELDS)
         limit = self.token_limit()
         return SamplingParams(
-            **fields, max_tokens=UNTIL_CONTEXT_FULL if limit is None else limit, stop=tuple(stop),
+            **fields, max_tokens=UNTIL_CONTEXT_FULL if limit is None else limit, stop=tuple(stop), bad_words=tuple(self.bad_words or ()),
             repeat_penalty=self.repeat_penalty_value(), logprobs=self.logprob_count(),
             prompt_logprobs=self.prompt_logprob_count(), **self.constraint(),
         )
@@ -211,6 +229,9 @@ class SamplingFields(Body):
 
 _ENGINE_FIELDS = {
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "n", "ignore_eos", "logit_bias",
+    "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "xtc_probability",
+    "xtc_threshold", "mirostat", "mirostat_tau", "mirostat_eta", "typical_p", "top_n_sigma", "dynatemp_range",
+    "dynatemp_exponent", "min_tokens",
 }
 
 

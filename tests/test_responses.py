@@ -116,6 +116,8 @@ def test_bad_requests_are_400s(clients):
         client.responses.create(model="tiny", input="hi", background=True)
     with pytest.raises(openai.NotFoundError, match="does not exist here"):
         client.responses.create(model="gpt-elsewhere", input="hi")
+    with pytest.raises(openai.BadRequestError, match="the chat request this one means is invalid: messages"):  # a thought alone is no conversation
+        client.responses.create(model="tiny", input=[{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]}])
 
 
 @pytest.mark.parametrize("api", ["responses", "chat_completions"])

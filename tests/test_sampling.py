@@ -5,7 +5,8 @@ import pytest
 import scipy.stats
 
 from llamabatch import SamplingError, SamplingParams
-from llamabatch.engine.sampling import GreedySampler, RowSampler, build_sampler
+from llamabatch.engine.chain import build_sampler
+from llamabatch.engine.sampling import GreedySampler, RowSampler
 from llamabatch.engine.truncation import Scratch, distribution
 
 from reference import reference_distribution, reference_penalties
@@ -128,7 +129,7 @@ def test_penalties_and_logit_bias_are_llama_cpps():
     tokens = rng.integers(0, 2_000, 300).tolist()
     params = SamplingParams(temperature=0, repeat_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.2,
                             penalty_last_n=64, logit_bias={7: 5.0, 1999: -100.0})
-    adjusted = RowSampler(params, n_ctx=256)._adjusted(logits, tokens, np.empty_like(logits))
+    adjusted = RowSampler(params, n_ctx=256).adjusted(logits, tokens, np.empty_like(logits))
     expected = reference_penalties(logits, tokens, 64, 1.3, 0.4, -0.2)
     expected[7] += 5.0
     expected[1999] -= 100.0

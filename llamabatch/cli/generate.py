@@ -15,6 +15,7 @@ from ..engine.options import EngineOptions
 from ..errors import LlamabatchError
 from ..jobs.prompts import gather_prompts
 from .options import (
+    BadWordsOpt, DryAllowedLengthOpt, DryBaseOpt, DryMultiplierOpt, DryPenaltyLastNOpt, DrySequenceBreakersOpt, DynatempExponentOpt, DynatempRangeOpt, MinTokensOpt, MirostatEtaOpt, MirostatOpt, MirostatTauOpt, TopNSigmaOpt, TypicalPOpt, XtcProbabilityOpt, XtcThresholdOpt, further_samplers,
     BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, ChoiceOpt,
     CtxOpt, CtxPerSeqOpt, DEFAULT, DeterministicOpt, DraftMaxOpt, DraftModelOpt, FlashAttnOpt, FrequencyPenaltyOpt,
     GpuLayersOpt, GrammarOpt,
@@ -71,6 +72,22 @@ def run(
     draft_max: DraftMaxOpt = None,
     checkpoint_every: CheckpointEveryOpt = None,
     checkpoint_memory: CheckpointMemoryOpt = None,
+    dry_multiplier: DryMultiplierOpt = None,
+    dry_base: DryBaseOpt = None,
+    dry_allowed_length: DryAllowedLengthOpt = None,
+    dry_penalty_last_n: DryPenaltyLastNOpt = None,
+    dry_sequence_breaker: DrySequenceBreakersOpt = None,
+    xtc_probability: XtcProbabilityOpt = None,
+    xtc_threshold: XtcThresholdOpt = None,
+    mirostat: MirostatOpt = None,
+    mirostat_tau: MirostatTauOpt = None,
+    mirostat_eta: MirostatEtaOpt = None,
+    typical_p: TypicalPOpt = None,
+    top_n_sigma: TopNSigmaOpt = None,
+    dynatemp_range: DynatempRangeOpt = None,
+    dynatemp_exponent: DynatempExponentOpt = None,
+    min_tokens: MinTokensOpt = None,
+    bad_word: BadWordsOpt = None,
     chat: ChatOpt = None,
     chat_template: ChatTemplateOpt = None,
     stream: Annotated[bool, typer.Option(help="Show each sequence's text live.")] = False,
@@ -82,7 +99,7 @@ def run(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repeat_penalty=repeat_penalty, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         seed=seed, stop=tuple(stop or ()), ignore_eos=ignore_eos, n=n,
-        **constraint(json_schema, grammar, regex, choice),
+        **constraint(json_schema, grammar, regex, choice), **further_samplers(context.params),
     )
     prompts, params = gather_prompts(prompt or [], prompts_file, base)
     with BatchEngine(**EngineOptions.of(context.params).engine_kwargs(n_sequences=sum(p.n for p in params))) as engine:

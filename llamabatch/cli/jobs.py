@@ -12,6 +12,7 @@ from ..engine import BatchEngine, SamplingParams
 from ..engine.options import AUTO, EngineOptions
 from ..errors import LlamabatchError
 from .options import (
+    BadWordsOpt, DryAllowedLengthOpt, DryBaseOpt, DryMultiplierOpt, DryPenaltyLastNOpt, DrySequenceBreakersOpt, DynatempExponentOpt, DynatempRangeOpt, MinTokensOpt, MirostatEtaOpt, MirostatOpt, MirostatTauOpt, TopNSigmaOpt, TypicalPOpt, XtcProbabilityOpt, XtcThresholdOpt, further_samplers,
     BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, ChoiceOpt,
     CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt,
     FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt,
@@ -78,6 +79,22 @@ def batch(
     draft_max: DraftMaxOpt = None,
     checkpoint_every: CheckpointEveryOpt = None,
     checkpoint_memory: CheckpointMemoryOpt = None,
+    dry_multiplier: DryMultiplierOpt = None,
+    dry_base: DryBaseOpt = None,
+    dry_allowed_length: DryAllowedLengthOpt = None,
+    dry_penalty_last_n: DryPenaltyLastNOpt = None,
+    dry_sequence_breaker: DrySequenceBreakersOpt = None,
+    xtc_probability: XtcProbabilityOpt = None,
+    xtc_threshold: XtcThresholdOpt = None,
+    mirostat: MirostatOpt = None,
+    mirostat_tau: MirostatTauOpt = None,
+    mirostat_eta: MirostatEtaOpt = None,
+    typical_p: TypicalPOpt = None,
+    top_n_sigma: TopNSigmaOpt = None,
+    dynatemp_range: DynatempRangeOpt = None,
+    dynatemp_exponent: DynatempExponentOpt = None,
+    min_tokens: MinTokensOpt = None,
+    bad_word: BadWordsOpt = None,
     chat: ChatOpt = None,
     chat_template: ChatTemplateOpt = None,
     ray: Annotated[Optional[str], typer.Option(
@@ -96,6 +113,7 @@ def batch(
         max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repeat_penalty=repeat_penalty, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         seed=seed, stop=stop and tuple(stop), ignore_eos=ignore_eos, n=n, **constraint(json_schema, grammar, regex, choice),
+        **further_samplers(context.params),
     )
     given = {k: v for k, v in given.items() if v is not None}
     base = SamplingParams(**given) if given else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -88,6 +89,40 @@ SamplesOpt = Annotated[Optional[int], typer.Option("-n", "--n", help="Samples pe
 ChatOpt = Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template.")]
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", help="Chat template: a Jinja file, or a llama.cpp built-in's name (chatml, gemma, llama3...). Default: the GGUF's.")]
+# llama.cpp's further samplers, named as llama-server's request fields (min_tokens and bad words: vLLM's)
+SAMPLERS = "llama.cpp's further samplers"
+DryMultiplierOpt = Annotated[Optional[float], typer.Option("--dry-multiplier", help="DRY: penalise repeating a sequence the text holds (0 = off).", rich_help_panel=SAMPLERS)]
+DryBaseOpt = Annotated[Optional[float], typer.Option("--dry-base", help="DRY's base (1.75).", rich_help_panel=SAMPLERS)]
+DryAllowedLengthOpt = Annotated[Optional[int], typer.Option("--dry-allowed-length", help="DRY: repeats this long go free (2).", rich_help_panel=SAMPLERS)]
+DryPenaltyLastNOpt = Annotated[Optional[int], typer.Option("--dry-penalty-last-n", help="DRY looks back this far (-1: the whole context).", rich_help_panel=SAMPLERS)]
+DrySequenceBreakersOpt = Annotated[Optional[list[str]], typer.Option("--dry-sequence-breaker", help="DRY: a sequence breaker (repeatable; default \\n : \" *).", rich_help_panel=SAMPLERS)]
+XtcProbabilityOpt = Annotated[Optional[float], typer.Option("--xtc-probability", help="XTC: how often the top choices are cut (0 = off).", rich_help_panel=SAMPLERS)]
+XtcThresholdOpt = Annotated[Optional[float], typer.Option("--xtc-threshold", help="XTC: the probability above which a choice is cut (0.1).", rich_help_panel=SAMPLERS)]
+MirostatOpt = Annotated[Optional[int], typer.Option("--mirostat", help="Mirostat 1 or 2 in place of the truncations (0 = off).", rich_help_panel=SAMPLERS)]
+MirostatTauOpt = Annotated[Optional[float], typer.Option("--mirostat-tau", help="Mirostat's target surprise (5).", rich_help_panel=SAMPLERS)]
+MirostatEtaOpt = Annotated[Optional[float], typer.Option("--mirostat-eta", help="Mirostat's learning rate (0.1).", rich_help_panel=SAMPLERS)]
+TypicalPOpt = Annotated[Optional[float], typer.Option("--typical-p", help="Locally typical sampling (1 = off).", rich_help_panel=SAMPLERS)]
+TopNSigmaOpt = Annotated[Optional[float], typer.Option("--top-n-sigma", help="Keep logits within n standard deviations of the top (-1 = off).", rich_help_panel=SAMPLERS)]
+DynatempRangeOpt = Annotated[Optional[float], typer.Option("--dynatemp-range", help="Dynamic temperature: ± this, by entropy (0 = off).", rich_help_panel=SAMPLERS)]
+DynatempExponentOpt = Annotated[Optional[float], typer.Option("--dynatemp-exponent", help="Dynamic temperature's exponent (1).", rich_help_panel=SAMPLERS)]
+MinTokensOpt = Annotated[Optional[int], typer.Option("--min-tokens", help="No end of generation before this many tokens.", rich_help_panel=SAMPLERS)]
+BadWordsOpt = Annotated[Optional[list[str]], typer.Option("--bad-word", help="Never write this word (repeatable).", rich_help_panel=SAMPLERS)]
+# the options above, by SamplingParams field (repeatable ones give tuples)
+FURTHER_SAMPLERS = {
+    "dry_multiplier": "dry_multiplier", "dry_base": "dry_base", "dry_allowed_length": "dry_allowed_length",
+    "dry_penalty_last_n": "dry_penalty_last_n", "dry_sequence_breaker": "dry_sequence_breakers",
+    "xtc_probability": "xtc_probability", "xtc_threshold": "xtc_threshold", "mirostat": "mirostat",
+    "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta", "typical_p": "typical_p", "top_n_sigma": "top_n_sigma",
+    "dynatemp_range": "dynatemp_range", "dynatemp_exponent": "dynatemp_exponent", "min_tokens": "min_tokens", "bad_word": "bad_words",
+}
+
+
+def further_samplers(params: Mapping[str, object]) -> dict:
+    """The further samplers a command was given (Typer's context.params), as SamplingParams fields."""
+    return {field: tuple(value) if isinstance(value, list) else value
+            for option, field in FURTHER_SAMPLERS.items() if (value := params.get(option)) not in (None, [], ())}
+
+
 # Constrained output (at most one): every completion matches it.
 JsonSchemaOpt = Annotated[Optional[Path], typer.Option("--json-schema", help="Constrain outputs to this JSON schema (a file).")]
 GrammarOpt = Annotated[Optional[Path], typer.Option("--grammar", help="Constrain outputs to this GBNF grammar (a file).")]

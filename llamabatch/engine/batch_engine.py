@@ -24,7 +24,8 @@ from .memory import Memory, MemoryRefused
 from .native import INVALID_BATCH, KV_FULL, Batch, Context, Model, init_backend, use_row_invariant_matmul
 from .rpc import guard as rpc_guard, local_accelerators, remote_devices
 from .results import Event, Result, RunStats, Score
-from .sampling import SamplingParams, build_sampler, score_rows, token_logprob
+from .chain import build_sampler
+from .sampling import SamplingParams, score_rows, token_logprob
 from .scheduler import LONE_ROW_MAX_CELLS, Filler, Scheduler
 from .sequence import Sequence, Status
 from .rows import lay_out, lay_out_decodes
@@ -237,7 +238,7 @@ class BatchEngine:
         return sequences
 
     def _new_sequence(self, index: int, sample: int, prompt: str, tokens: list[int], params: SamplingParams) -> Sequence:
-        sampler = build_sampler(params, self.ctx.n_ctx_seq)  # penalties look back over the prompt too, as llama.cpp's server does
+        sampler = build_sampler(params, self.ctx.n_ctx_seq, self.vocab, len(tokens))  # penalties look back over the prompt too, as llama.cpp's server does
         # max_tokens reached, or the context: the newest token is decoded at len(tokens) - 1 next step, in a cell it needs.
         max_len = min(len(tokens) + params.max_tokens, self.ctx.n_ctx_seq + 1)
         return Sequence(index, prompt, params, list(tokens), len(tokens), sampler=sampler, sample=sample, uid=next(self._uids),

@@ -7,6 +7,7 @@ Each class holds one handle and frees it exactly once in close() (or on leaving 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import sys
@@ -206,6 +207,11 @@ class Vocab:
     def eog_tokens(self) -> list[int]:
         """Every token that ends generation (EOS, end-of-turn, ...); a scan of the vocabulary."""
         return [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._handle, t)]
+
+    @functools.cached_property
+    def eog_ids(self) -> tuple[int, ...]:
+        """eog_tokens, scanned once (min_tokens bans them in every row that asks)."""
+        return tuple(self.eog_tokens())
 
     def is_eog(self, token: int) -> bool:
         """Whether the token ends generation (EOS, EOT, ...). Cached, as pieces are."""

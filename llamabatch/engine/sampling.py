@@ -9,6 +9,7 @@ import numpy as np
 
 from ..errors import SamplingError
 from .adapters import adapter_set
+from .native import Vocab
 from .results import PromptScore, TokenLogprob
 from ..chat.reasoning import ThinkingBudget
 from .truncation import Scratch, draw
@@ -49,6 +50,25 @@ class SamplingParams:
     lark: str | None = None  # a Lark grammar in llguidance's dialect (what tool calls are held to)
     # A reasoning model's thought is closed for it after this many tokens (thinking.ThinkingBudget)
     thinking_budget: ThinkingBudget | None = None
+    # llama.cpp's further samplers, named as llama-server names them; a row that uses one is drawn
+    # by a llama.cpp chain of its own (chain.ChainSampler). Their defaults are off.
+    dry_multiplier: float = 0.0  # DRY: penalise repeating a sequence the text already holds (0 = off)
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the whole context
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
+    xtc_probability: float = 0.0  # XTC: with this probability, drop the top choices above the threshold but the last
+    xtc_threshold: float = 0.1
+    mirostat: int = 0  # 1 or 2: mirostat v1 or v2 in place of the truncations
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    typical_p: float = 1.0  # 1 = off
+    top_n_sigma: float = -1.0  # <= 0 = off
+    dynatemp_range: float = 0.0  # dynamic temperature: temperature ± range, by entropy (0 = off)
+    dynatemp_exponent: float = 1.0
+    # vLLM's: no end-of-generation token before this many tokens; no text of these words
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = ()
     # LoRA adapters to decode under, as (adapter id, scale) pairs (llama-server's `lora` field;
     # ids absent are off). None: the engine's default, its --lora adapters.
     adapters: tuple[tuple[int, float], ...] | None = None
@@ -57,6 +77,8 @@ class SamplingParams:
         # Lists from JSON or the CLI become tuples, a schema its JSON text, so params stay hashable
         # and immutable. Keys keep their order: a schema's property order is the output's order.
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
         if self.json_schema is not None:
@@ -100,6 +122,11 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 yield f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
+        yield from self._chain_problems()
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            yield f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"
+        if any(not (isinstance(w, str) and w) for w in self.bad_words):
+            yield "bad_words must be non-empty strings"
         if self.thinking_budget is not None and self.thinking_budget.tokens < 1:
             yield f"a thinking budget must be >= 1 token, got {self.thinking_budget.tokens}"
         if any(not s for s in self.stop):
@@ -115,6 +142,39 @@ class SamplingParams:
             if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
                 yield f"{name} must be a non-empty string"
 
+    def _chain_problems(self):
+        if self.dry_multiplier < 0:
+            yield f"dry_multiplier must be >= 0, got {self.dry_multiplier}"
+        if self.dry_base < 1:
+            yield f"dry_base must be >= 1, got {self.dry_base}"
+        if self.dry_allowed_length < 1:
+            yield f"dry_allowed_length must be >= 1, got {self.dry_allowed_length}"
+        if self.dry_penalty_last_n < -1:
+            yield f"dry_penalty_last_n must be >= -1 (-1: the whole context), got {self.dry_penalty_last_n}"
+        if any(not (isinstance(b, str) and b) for b in self.dry_sequence_breakers):
+            yield "dry_sequence_breakers must be non-empty strings"
+        for name in ("xtc_probability", "xtc_threshold"):
+            if not 0 <= getattr(self, name) <= 1:
+                yield f"{name} must be in [0, 1], got {getattr(self, name)}"
+        if self.mirostat not in (0, 1, 2):
+            yield f"mirostat must be 0 (off), 1 or 2, got {self.mirostat}"
+        if self.mirostat_tau < 0:
+            yield f"mirostat_tau must be >= 0, got {self.mirostat_tau}"
+        if self.mirostat_eta <= 0:
+            yield f"mirostat_eta must be > 0, got {self.mirostat_eta}"
+        if not 0 < self.typical_p <= 1:
+            yield f"typical_p must be in (0, 1], got {self.typical_p}"
+        if self.dynatemp_range < 0:
+            yield f"dynatemp_range must be >= 0, got {self.dynatemp_range}"
+        if self.dynatemp_exponent <= 0:
+            yield f"dynatemp_exponent must be > 0, got {self.dynatemp_exponent}"
+
+    @property
+    def uses_chain(self) -> bool:
+        """Asks for a sampler only llama.cpp's own chain implements (chain.ChainSampler)."""
+        return (self.dry_multiplier > 0 or self.xtc_probability > 0 or self.mirostat != 0 or self.typical_p < 1
+                or self.top_n_sigma > 0 or self.dynatemp_range > 0)
+
     def per_sample(self) -> list[SamplingParams]:
         """One set per sample, in order: sample k draws with seed + k, so n samples differ yet reproduce."""
         if self.n == 1:
@@ -129,7 +189,8 @@ class SamplingParams:
         """Sampled from the model's own distribution: speculative drafts can be verified by
         rejection sampling (penalties would make each draft's distribution depend on the drafts
         before it; a logit bias is not in the distribution drafts are verified against)."""
-        return self.temperature > 0 and not self.uses_penalties and self.logit_bias is None
+        return (self.temperature > 0 and not self.uses_penalties and self.logit_bias is None and not self.uses_chain
+                and not self.min_tokens and not self.bad_words)
 
     @property
     def uses_penalties(self) -> bool:
@@ -138,7 +199,8 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """The argmax of the model's logits as they are (GreedySampler's case)."""
-        return self.temperature == 0 and not self.uses_penalties and self.logit_bias is None
+        return (self.temperature == 0 and not self.uses_penalties and self.logit_bias is None and not self.uses_chain
+                and not self.min_tokens and not self.bad_words)
 
 
 def _schema_text(schema: str | dict) -> str:
@@ -170,7 +232,8 @@ class RowSampler:
 
     greedy = False
 
-    def __init__(self, params: SamplingParams, n_ctx: int) -> None:
+    def __init__(self, params: SamplingParams, n_ctx: int, vocab: Vocab | None = None, n_prompt: int = 0) -> None:
+        """`vocab` (for min_tokens and bad words) and `n_prompt` (where min_tokens counts from)."""
         self.params = params
         self.rng = np.random.default_rng(params.seed)  # None: fresh entropy
         bias = params.logit_bias or ()
@@ -178,18 +241,27 @@ class RowSampler:
         self.bias_values = np.array([b for _, b in bias], dtype=np.float32)
         self.last_n = n_ctx if params.penalty_last_n == -1 else params.penalty_last_n
         self.penalised = params.uses_penalties and self.last_n > 0
+        # min_tokens: the end-of-generation tokens are banned until the sequence has that many
+        self.eog_ids = np.array(vocab.eog_ids if params.min_tokens else [], dtype=np.int64)
+        self.until = n_prompt + params.min_tokens
+        # bad words, as token sequences, with and without a space before (vLLM's bad_words)
+        self.bad = sorted({tuple(vocab.tokenize(w, add_special=False)) for word in params.bad_words for w in (word, " " + word)} - {()})
+        self.adjusts = bool(len(self.bias_ids) or self.penalised or self.bad or len(self.eog_ids))
 
     def sample(self, logits: np.ndarray, tokens: list[int], scratch: Scratch) -> int:
         """The next token after `tokens` (the prompt and what was generated) from this row."""
-        if len(self.bias_ids) or self.penalised:
-            logits = self._adjusted(logits, tokens, scratch.row)
+        if self.adjusts:
+            logits = self.adjusted(logits, tokens, scratch.row)
         if self.params.temperature == 0:  # greedy after the bias and penalties
             return int(logits.argmax())
         return draw(logits, self.params, self.rng.random(), scratch)
 
-    def _adjusted(self, logits: np.ndarray, tokens: list[int], out: np.ndarray) -> np.ndarray:
-        """The row with the bias and penalties, in `out`: the step's row stays as it was (log-
-        probabilities are reported from it, and followers may sample from it too)."""
+    def adjusted(self, logits: np.ndarray, tokens: list[int], out: np.ndarray) -> np.ndarray:
+        """The row with the bias, penalties, min_tokens and bad words, in `out` (the row itself
+        when none applies): the step's row stays as it was (log-probabilities are reported from
+        it, and followers may sample from it too)."""
+        if not (len(self.bias_ids) or self.penalised or self.bad or (len(self.eog_ids) and len(tokens) < self.until)):
+            return logits
         np.copyto(out, logits)
         out[self.bias_ids] += self.bias_values  # the ids are distinct (params keep one bias a token)
         if self.penalised:
@@ -198,15 +270,15 @@ class RowSampler:
             values = out[seen]
             values = np.where(values <= 0, values * p.repeat_penalty, values / p.repeat_penalty)
             out[seen] = values - (counts * p.frequency_penalty + p.presence_penalty).astype(np.float32)
+        if len(self.eog_ids) and len(tokens) < self.until:
+            out[self.eog_ids] = -np.inf
+        for word in self.bad:  # its last token, where the text so far ends with the rest of it
+            if len(word) == 1 or tuple(tokens[len(tokens) - len(word) + 1:]) == word[:-1]:
+                out[word[-1]] = -np.inf
         return out
 
     def close(self) -> None:
         pass  # owns nothing native
-
-
-def build_sampler(params: SamplingParams, n_ctx: int) -> GreedySampler | RowSampler:
-    """Plain greedy gets the step's one argmax; anything else its own RowSampler."""
-    return GreedySampler() if params.plain_greedy else RowSampler(params, n_ctx)
 
 
 def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:

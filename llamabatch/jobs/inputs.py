@@ -23,7 +23,8 @@ from ..embeddings_format import EMBEDDINGS_URL, EmbeddingRequest
 from ..openai_format import ENDPOINTS, LoraEntry, SamplingFields, validation_message
 
 STDIN = "-"
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} - {"adapters"}  # a line chooses adapters by model/lora
+# a line chooses adapters by model/lora; a thinking budget is a chat request's (reasoning_budget)
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} - {"adapters", "thinking_budget"}
 _LORA = TypeAdapter(list[LoraEntry])
 _OPENAI_FIELDS = {"custom_id", "method", "url", "body"}
 _PARAMS = TypeAdapter(SamplingParams)  # checks each field's type, then SamplingParams its range

@@ -16,11 +16,11 @@ from typing import Annotated, Literal, Union
 
 from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field, StrictBool, StrictStr
+from pydantic import BaseModel, Field, StrictBool, StrictStr, ValidationError
 
 from ..engine import BatchEngine
 from ..errors import LlamabatchError
-from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, refusal_status, usage
+from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, refusal_status, usage, validation_message
 from .openai_api import Reply
 from .worker import EngineWorker
 
@@ -241,6 +241,8 @@ def anthropic_routes(
             return chat, engine_inputs(chat, engine(), reasoning_budget)
         except LlamabatchError as e:
             raise HTTPException(refusal_status(e), str(e)) from None
+        except ValidationError as e:  # the chat request it means is not one (no messages left, say)
+            raise HTTPException(400, f"the chat request this one means is invalid: {validation_message(e)}") from None
 
     @router.post("/v1/messages", responses=errors(400, 401, 404, 429, 500, 503, 504, body=ErrorBody))
     async def messages(body: MessagesRequest, http: HttpRequest):

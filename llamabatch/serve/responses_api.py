@@ -19,11 +19,11 @@ from typing import Annotated, Any, Literal, Union
 
 from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
 from fastapi.responses import StreamingResponse
-from pydantic import Field, StrictBool, StrictStr
+from pydantic import Field, StrictBool, StrictStr, ValidationError
 
 from ..engine import BatchEngine
 from ..errors import LlamabatchError
-from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, refusal_status, usage
+from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, refusal_status, usage, validation_message
 from .openai_api import Reply
 from .store import NotFound, Store
 from .worker import EngineWorker
@@ -255,6 +255,8 @@ def responses_routes(
             raise HTTPException(404, str(e)) from None
         except LlamabatchError as e:
             raise HTTPException(refusal_status(e), str(e)) from None
+        except ValidationError as e:  # the chat request it means is not one (no messages left, say)
+            raise HTTPException(400, f"the chat request this one means is invalid: {validation_message(e)}") from None
 
     def kept(body: ResponsesRequest, chat: ChatRequest, obj: dict, message: dict) -> None:
         """Store a finished response with its conversation (instructions apart: they are this response's)."""
