@@ -86,7 +86,7 @@ class AnswerStream:
             deltas.append({"content": free})
             self.held = self.held[len(free):]
         if final and self.held:
-            content, calls = self.answer.format.parse(self.held)
+            content, calls = self.answer.format.parse(self.held, self.answer.tools)
             if content:
                 deltas.append({"content": content})
             if calls:

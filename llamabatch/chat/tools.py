@@ -5,6 +5,7 @@ Families (picked from the template's own markup, as llama-server's common/chat.c
 - hermes: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (Hermes 2/3, Qwen 2.5 and 3);
 - llama3: a bare `{"name": ..., "parameters": {...}}` answer (Llama 3.1-3.3);
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "abcDEF123"}]` (Mistral Nemo);
+- qwen3-coder: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>...` (Qwen3-Coder's XML);
 - generic: any other template: the tools are described in a system message and the whole answer
   is one JSON object, `{"tool_calls": [...]}` or `{"response": "..."}`.
 
@@ -147,7 +148,7 @@ class ToolFormat:
     @staticmethod
     def detect(template_source: str) -> ToolFormat:
         """The family a template writes calls in; generic for one without tool markup."""
-        for family in (Mistral, Hermes, Llama3):
+        for family in (Mistral, QwenXml, Hermes, Llama3):
             if family.marks(template_source):
                 return family()
         return Generic()
@@ -164,8 +165,9 @@ class ToolFormat:
     def grammar(self, tools: Tools) -> str:
         raise NotImplementedError
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The answer's text without its calls, and the calls (complete ones only)."""
+    def parse(self, text: str, tools: Tools | None = None) -> tuple[str, list[ToolCall]]:
+        """The answer's text without its calls, and the calls (complete ones only). `tools`:
+        the request's, for families whose calls need their schemas to be read."""
         raise NotImplementedError
 
     def call_start(self, text: str) -> int | None:
@@ -210,12 +212,78 @@ class Hermes(ToolFormat):
     def grammar(self, tools: Tools) -> str:
         return self._lazy(tools, f'"\\n" {_json(call_schema(tools.callable))} "\\n</tool_call>"', '"\\n"?')
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, tools: Tools | None = None) -> tuple[str, list[ToolCall]]:
         start = text.find(self.trigger)
         if start < 0:
             return text, []
         calls = [c for m in self._call.finditer(text, start) if (c := _decoded(m.group(1), "arguments", self.name))]
         return (text[:start].rstrip(), calls) if calls else (text, [])  # a call cut short stays text
+
+
+class QwenXml(ToolFormat):
+    """Qwen3-Coder's XML calls: <tool_call>, <function=NAME>, one <parameter=KEY> block per argument
+    (strings as they are, other values as JSON), </function>, </tool_call>."""
+
+    name = "qwen3-coder"
+    trigger = "<tool_call>"
+    _function = re.compile(r"<function=([^>\n]+)>\n?(.*?)</function>", re.DOTALL)
+    _parameter = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    @classmethod
+    def marks(cls, source: str) -> bool:
+        return "<function=" in source and "<parameter=" in source
+
+    def grammar(self, tools: Tools) -> str:
+        rules = []
+        names = []
+        for i, tool in enumerate(tools.callable):
+            params = []
+            properties = tool.parameters.get("properties") or {}
+            required = set(tool.parameters.get("required") or ())
+            for j, (key, schema) in enumerate(properties.items()):
+                rule = f"p{i}_{j}"
+                opening = _lark_string(f"<parameter={key}>\n")
+                if _free_string(schema):  # raw text up to the closing tag
+                    rules.append(f'{rule}: {opening} v{i}_{j} "\\n"\nv{i}_{j}[stop={_lark_string(chr(10) + "</parameter>")}]: /(.|\\n)*/')
+                else:
+                    value = " | ".join(_lark_string(v) for v in schema["enum"]) if _string_enum(schema) else _json({**schema, "x-guidance": COMPACT})
+                    rules.append(f'{rule}: {opening} ({value}) {_lark_string(chr(10) + "</parameter>" + chr(10))}')
+                params.append(rule if key in required else f"{rule}?")
+            rules.append(f'f{i}: {_lark_string(f"<function={tool.name}>" + chr(10))} {" ".join(params)} {_lark_string("</function>" + chr(10) + "</tool_call>")}')
+            names.append(f"f{i}")
+        call = f'"\\n" ({" | ".join(names)})'
+        return self._lazy(tools, call, '"\\n"?') + "\n".join(rules) + "\n"
+
+    def parse(self, text: str, tools: Tools | None = None) -> tuple[str, list[ToolCall]]:
+        start = text.find(self.trigger)
+        if start < 0:
+            return text, []
+        schemas = {t.name: t.parameters.get("properties") or {} for t in (tools.tools if tools else ())}
+        calls = []
+        for name, body in self._function.findall(text, start):
+            properties = schemas.get(name, {})
+            arguments = {key: _xml_value(value, properties.get(key, {})) for key, value in self._parameter.findall(body)}
+            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id(self.name)))
+        return (text[:start].rstrip(), calls) if calls else (text, [])
+
+
+def _string_enum(schema: dict) -> bool:
+    return schema.get("type") == "string" and isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"])
+
+
+def _free_string(schema: dict) -> bool:
+    return schema.get("type") == "string" and not _string_enum(schema) and not any(k in schema for k in ("pattern", "format", "const"))
+
+
+def _xml_value(text: str, schema: dict):
+    """A parameter's value: strings as written, anything else read as JSON (Python's True and
+    False, as the template writes booleans, too)."""
+    if schema.get("type") == "string":
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return {"True": True, "False": False}.get(text.strip(), text)
 
 
 class Llama3(ToolFormat):
@@ -233,7 +301,7 @@ class Llama3(ToolFormat):
             return f"start: call more\ncall: {call}{repeat}\n"
         return f"start: TEXT | call more\nTEXT: /([^{{](.|\\n)*)?/\ncall: {call}{repeat}\n"  # text: anything not opening with {
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, tools: Tools | None = None) -> tuple[str, list[ToolCall]]:
         body = text.strip().removeprefix(self.python_tag).lstrip()
         if not body.startswith("{"):
             return text, []
@@ -277,7 +345,7 @@ class Mistral(ToolFormat):
             return f"start: TEXT | TEXT? {opening} calls\nTEXT: /(.|\\n)+/\ncalls: {_json(array)}\n"
         return f"start: TEXT | text calls\nTEXT: /(.|\\n)*/\ntext[stop={_lark_string(self.trigger)}]: /(.|\\n)*/\ncalls: {_json(array)}\n"
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, tools: Tools | None = None) -> tuple[str, list[ToolCall]]:
         start = text.find(self.trigger)
         if start < 0:
             return text, []
@@ -300,7 +368,7 @@ class Generic(ToolFormat):
                             "additionalProperties": False})
         return f"start: {_json({'anyOf': answers, 'x-guidance': COMPACT})}\n"
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, tools: Tools | None = None) -> tuple[str, list[ToolCall]]:
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
