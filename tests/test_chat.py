@@ -30,7 +30,10 @@ LLAMA33 = "meta-llama-Llama-3.3-70B-Instruct"
 MISTRAL = "mistralai-Mistral-Nemo-Instruct-2407"
 R1 = "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"
 QWEN3_CODER = "Qwen3-Coder"
+GLM = "GLM-4.6"
 
+# A thinking template's random model would think until max_tokens: four tokens of thought, then its calls.
+SHORT_THOUGHT = {"reasoning_budget": 4}
 # Closed values (enums, bounded integers) so that a random model's call ends within a few tokens.
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -59,7 +62,7 @@ def assert_valid(calls) -> None:
 
 @pytest.mark.parametrize("name, family", [
     (QWEN25, "hermes"), (HERMES3, "hermes"), (QWEN3, "hermes"), (LLAMA31, "llama3"), (LLAMA33, "llama3"), (MISTRAL, "mistral"),
-    (QWEN3_CODER, "qwen3-coder"),
+    (QWEN3_CODER, "qwen3-coder"), (GLM, "glm"),
 ])
 def test_each_family_reads_back_the_calls_its_own_template_writes(name, family):
     """An assistant turn with a call, rendered by the model's template, parses back into that
@@ -79,18 +82,21 @@ def test_each_family_reads_back_the_calls_its_own_template_writes(name, family):
     assert content.strip() == ""
 
 
-def test_qwen3_coder_calls_read_back_strings_as_written_and_other_values_as_json():
-    """Its XML carries strings raw (newlines and all) and other values as the template writes
-    them (Python's True, JSON for objects): read back by the tool's schema."""
+@pytest.mark.parametrize("name", [QWEN3_CODER, GLM])
+def test_xml_calls_read_back_strings_as_written_and_other_values_as_json(name):
+    """Qwen3-Coder's and GLM's XML carry strings raw (newlines and all) and other values as their
+    templates write them (Python's True, JSON for lists): read back by the tool's schema."""
     note = {"type": "function", "function": {"name": "note", "parameters": {"type": "object", "properties": {
         "text": {"type": "string"}, "done": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}},
         "count": {"type": "string"}}}}}
     arguments = {"text": "two\nlines", "done": True, "tags": ["a", "b"], "count": "3"}
-    template = ChatTemplate(real_template(QWEN3_CODER), QWEN3_CODER)
+    template = ChatTemplate(real_template(name), name)
     call = {"id": "c1", "type": "function", "function": {"name": "note", "arguments": arguments}}
     before = template.render(ASK, tools=[note], add_generation_prompt=True)
     written = template.render([*ASK, {"role": "assistant", "content": "", "tool_calls": [call]}], tools=[note],
                               add_generation_prompt=False)[len(before):]
+    reasoning = Reasoning.of(template.source, before)
+    written = reasoning.split(written)[1] if reasoning else written
     _, calls = ToolFormat.detect(template.source).parse(written, Tools.of([note], "auto", True))
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("note", arguments)]
 
@@ -145,7 +151,7 @@ def test_a_streamed_answer_sends_prose_at_once_and_the_call_when_complete():
 def family_models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat-models")  # each served as "tiny", the name the requests give
     models = {}
-    for name in (QWEN25, LLAMA31, MISTRAL, QWEN3, R1, QWEN3_CODER):
+    for name in (QWEN25, LLAMA31, MISTRAL, QWEN3, R1, QWEN3_CODER, GLM):
         (folder / name).mkdir()
         models[name] = write_tiny_model(folder / name / "tiny.gguf", chat_template=real_template(name))
     return models
@@ -159,12 +165,12 @@ def clients(serve, family_models, tiny_model):
     return {name: openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0) for name, base in bases.items()}
 
 
-@pytest.mark.parametrize("family", [QWEN25, LLAMA31, MISTRAL, QWEN3_CODER, "chatml"])
+@pytest.mark.parametrize("family", [QWEN25, LLAMA31, MISTRAL, QWEN3_CODER, GLM, "chatml"])
 def test_required_and_named_tool_choices_return_calls_that_validate(clients, family):
     client = clients[family]
     for choice, name in (("required", None), ({"type": "function", "function": {"name": "get_time"}}, "get_time")):
         reply = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice,
-                                               parallel_tool_calls=False, temperature=0, max_tokens=200)
+                                               parallel_tool_calls=False, temperature=0, max_tokens=200, extra_body=SHORT_THOUGHT)
         choice0 = reply.choices[0]
         assert choice0.finish_reason == "tool_calls"
         assert_valid(choice0.message.tool_calls)
@@ -182,10 +188,11 @@ def test_parallel_calls_all_validate(clients, family):
         assert len(calls) >= 1
 
 
-@pytest.mark.parametrize("family", [QWEN25, LLAMA31, QWEN3_CODER, "chatml"])
+@pytest.mark.parametrize("family", [QWEN25, LLAMA31, QWEN3_CODER, GLM, "chatml"])
 def test_streamed_calls_arrive_in_openais_delta_shape_and_match_the_whole_answer(clients, family):
     client = clients[family]
-    asked = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=200)
+    asked = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=200,
+                 extra_body=SHORT_THOUGHT)
     whole = client.chat.completions.create(**asked).choices[0]
     calls: dict[int, dict] = {}
     finish = None
@@ -220,13 +227,14 @@ def test_auto_answers_in_text_or_with_calls_that_validate(clients):
 def test_a_conversation_carries_calls_and_their_results_back(clients):
     """The client appends the assistant's calls and the tools' results, and the model goes on: every
     family's template renders them (Mistral's needs its nine-character ids, which it got)."""
-    for family in (QWEN25, LLAMA31, MISTRAL, QWEN3_CODER, "chatml"):
+    for family in (QWEN25, LLAMA31, MISTRAL, QWEN3_CODER, GLM, "chatml"):
         client = clients[family]
-        first = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                                               parallel_tool_calls=False, temperature=0, max_tokens=200).choices[0].message
+        first = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                               temperature=0, max_tokens=200, extra_body=SHORT_THOUGHT).choices[0].message
         results = [{"role": "tool", "tool_call_id": c.id, "content": json.dumps({"temperature_c": 14})} for c in first.tool_calls]
         messages = [*ASK, first.model_dump(exclude_none=True), *results]
-        second = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8)
+        second = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8,
+                                                extra_body=SHORT_THOUGHT)
         assert second.choices[0].finish_reason in ("stop", "length")
         assert second.choices[0].message.tool_calls is None
 

@@ -191,7 +191,8 @@ def _with_system(messages: list[dict], text: str) -> list[dict]:
 def _after_thought(lark: str, reasoning: Reasoning) -> str:
     """Calls required from a thinking model's first token would forbid its thought: let it think first."""
     head, _, rest = lark.partition("\n")
-    thought = 'thought /[ \\n]*/' if reasoning.open else '("<think>" thought /[ \\n]*/)?'
+    # at most a few blank characters after it: an unbounded run is a loop a small model falls into
+    thought = 'thought /[ \\n]{0,4}/' if reasoning.open else '("<think>" thought /[ \\n]{0,4}/)?'
     return f'start: {thought} answer\nanswer: {head.removeprefix("start: ")}\nthought[stop="</think>"]: /(.|\\n)*/\n{rest}'
 
 

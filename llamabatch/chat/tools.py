@@ -6,6 +6,7 @@ Families (picked from the template's own markup, as llama-server's common/chat.c
 - llama3: a bare `{"name": ..., "parameters": {...}}` answer (Llama 3.1-3.3);
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "abcDEF123"}]` (Mistral Nemo);
 - qwen3-coder: `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>...` (Qwen3-Coder's XML);
+- glm: `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>...` (GLM 4.5 and later);
 - generic: any other template: the tools are described in a system message and the whole answer
   is one JSON object, `{"tool_calls": [...]}` or `{"response": "..."}`.
 
@@ -148,7 +149,7 @@ class ToolFormat:
     @staticmethod
     def detect(template_source: str) -> ToolFormat:
         """The family a template writes calls in; generic for one without tool markup."""
-        for family in (Mistral, QwenXml, Hermes, Llama3):
+        for family in (Mistral, QwenXml, GlmXml, Hermes, Llama3):
             if family.marks(template_source):
                 return family()
         return Generic()
@@ -220,39 +221,43 @@ class Hermes(ToolFormat):
         return (text[:start].rstrip(), calls) if calls else (text, [])  # a call cut short stays text
 
 
-class QwenXml(ToolFormat):
-    """Qwen3-Coder's XML calls: <tool_call>, <function=NAME>, one <parameter=KEY> block per argument
-    (strings as they are, other values as JSON), </function>, </tool_call>."""
+class XmlCalls(ToolFormat):
+    """Calls written as XML, one block per argument (strings as they are, other values as JSON),
+    in a family's own tags: after the trigger, function_open, then each argument between
+    param_open and value_close, then function_close."""
 
-    name = "qwen3-coder"
     trigger = "<tool_call>"
-    _function = re.compile(r"<function=([^>\n]+)>\n?(.*?)</function>", re.DOTALL)
-    _parameter = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+    _function: re.Pattern
+    _parameter: re.Pattern
 
-    @classmethod
-    def marks(cls, source: str) -> bool:
-        return "<function=" in source and "<parameter=" in source
+    def function_open(self, name: str) -> str:
+        raise NotImplementedError
+
+    def param_open(self, key: str) -> str:
+        raise NotImplementedError
+
+    value_close = ""  # what ends a value (a raw string runs up to it)
+    after_value = ""  # what follows value_close before the next argument
+    function_close = ""
 
     def grammar(self, tools: Tools) -> str:
-        rules = []
-        names = []
+        rules, names = [], []
         for i, tool in enumerate(tools.callable):
             params = []
             properties = tool.parameters.get("properties") or {}
             required = set(tool.parameters.get("required") or ())
             for j, (key, schema) in enumerate(properties.items()):
-                rule = f"p{i}_{j}"
-                opening = _lark_string(f"<parameter={key}>\n")
+                rule, opening = f"p{i}_{j}", _lark_string(self.param_open(key))
                 if _free_string(schema):  # raw text up to the closing tag
-                    rules.append(f'{rule}: {opening} v{i}_{j} "\\n"\nv{i}_{j}[stop={_lark_string(chr(10) + "</parameter>")}]: /(.|\\n)*/')
+                    rules.append(f"{rule}: {opening} v{i}_{j} {_lark_string(self.after_value)}\n"
+                                 f"v{i}_{j}[stop={_lark_string(self.value_close)}]: /(.|\\n)*/")
                 else:
                     value = " | ".join(_lark_string(v) for v in schema["enum"]) if _string_enum(schema) else _json({**schema, "x-guidance": COMPACT})
-                    rules.append(f'{rule}: {opening} ({value}) {_lark_string(chr(10) + "</parameter>" + chr(10))}')
+                    rules.append(f"{rule}: {opening} ({value}) {_lark_string(self.value_close + self.after_value)}")
                 params.append(rule if key in required else f"{rule}?")
-            rules.append(f'f{i}: {_lark_string(f"<function={tool.name}>" + chr(10))} {" ".join(params)} {_lark_string("</function>" + chr(10) + "</tool_call>")}')
+            rules.append(f"f{i}: {_lark_string(self.function_open(tool.name))} {' '.join(params)} {_lark_string(self.function_close)}")
             names.append(f"f{i}")
-        call = f'"\\n" ({" | ".join(names)})'
-        return self._lazy(tools, call, '"\\n"?') + "\n".join(rules) + "\n"
+        return self._lazy(tools, f"({' | '.join(names)})", '"\\n"?') + "\n".join(rules) + "\n"
 
     def parse(self, text: str, tools: Tools | None = None) -> tuple[str, list[ToolCall]]:
         start = text.find(self.trigger)
@@ -261,10 +266,48 @@ class QwenXml(ToolFormat):
         schemas = {t.name: t.parameters.get("properties") or {} for t in (tools.tools if tools else ())}
         calls = []
         for name, body in self._function.findall(text, start):
-            properties = schemas.get(name, {})
-            arguments = {key: _xml_value(value, properties.get(key, {})) for key, value in self._parameter.findall(body)}
-            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id(self.name)))
+            properties = schemas.get(name.strip(), {})
+            arguments = {key.strip(): _xml_value(value, properties.get(key.strip(), {})) for key, value in self._parameter.findall(body)}
+            calls.append(ToolCall(name.strip(), json.dumps(arguments, ensure_ascii=False), new_call_id(self.name)))
         return (text[:start].rstrip(), calls) if calls else (text, [])
+
+
+class QwenXml(XmlCalls):
+    """Qwen3-Coder: <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>\n</tool_call>."""
+
+    name = "qwen3-coder"
+    _function = re.compile(r"<function=([^>\n]+)>\n?(.*?)</function>", re.DOTALL)
+    _parameter = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+    value_close, after_value, function_close = "\n</parameter>", "\n", "</function>\n</tool_call>"
+
+    @classmethod
+    def marks(cls, source: str) -> bool:
+        return "<function=" in source and "<parameter=" in source
+
+    def function_open(self, name: str) -> str:
+        return f"\n<function={name}>\n"
+
+    def param_open(self, key: str) -> str:
+        return f"<parameter={key}>\n"
+
+
+class GlmXml(XmlCalls):
+    """GLM 4.5+: <tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n...</tool_call>."""
+
+    name = "glm"
+    _function = re.compile(r"<tool_call>([^\n<]+)\n?(.*?)</tool_call>", re.DOTALL)
+    _parameter = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+    value_close, after_value, function_close = "</arg_value>", "\n", "</tool_call>"
+
+    @classmethod
+    def marks(cls, source: str) -> bool:
+        return "<arg_key>" in source and "<arg_value>" in source
+
+    def function_open(self, name: str) -> str:
+        return f"{name}\n"
+
+    def param_open(self, key: str) -> str:
+        return f"<arg_key>{key}</arg_key>\n<arg_value>"
 
 
 def _string_enum(schema: dict) -> bool:
