@@ -486,7 +486,7 @@ def chat_choices(sequences: Seq[Sequence], vocab: Vocab, answer: Answer | None =
     for s in sequences:
         message = (answer or Answer()).message(s.text.text)
         choices.append({"index": s.sample, "message": message, "logprobs": chat_logprobs(s.logprobs, s, vocab),
-                        "finish_reason": Answer.finish_reason(s.finish_reason, message)})
+                        "finish_reason": Answer.finish_reason(s.finish_reason, "tool_calls" in message)})
     return choices
 
 

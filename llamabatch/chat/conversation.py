@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .reasoning import Reasoning, ReasoningStream, ThinkingBudget
 from .template import ChatTemplate
-from .tools import Generic, ToolCall, ToolFormat, Tools
+from .tools import Generic, ToolFormat, Tools
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,11 @@ class Answer:
 
     def message(self, text: str) -> dict:
         """OpenAI's assistant message for a whole answer."""
-        deltas = self.stream().feed(text, final=True)
+        return self.assembled(self.stream().feed(text, final=True))
+
+    @staticmethod
+    def assembled(deltas: list[dict]) -> dict:
+        """OpenAI's assistant message made of an answer's stream deltas (AnswerStream.feed)."""
         message: dict = {"role": "assistant", "content": "".join(d.get("content", "") for d in deltas)}
         thought = "".join(d.get("reasoning_content", "") for d in deltas)
         if thought:
@@ -42,11 +46,8 @@ class Answer:
         return message
 
     @staticmethod
-    def finish_reason(reason: str | None, called: bool | dict) -> str | None:
-        """OpenAI's "tool_calls" for an answer that ended well by calling (`called`: whether it
-        did, or its message)."""
-        if isinstance(called, dict):
-            called = bool(called.get("tool_calls"))
+    def finish_reason(reason: str | None, called: bool) -> str | None:
+        """OpenAI's "tool_calls" for an answer that ended well by calling."""
         return "tool_calls" if reason == "stop" and called else reason
 
     def stream(self) -> AnswerStream:
@@ -103,7 +104,10 @@ class Chat:
         self.template, self.vocab = template, vocab
         # llama.cpp renders its built-in templates (named, not Jinja): messages -> text
         self._builtin_render = builtin_render
-        self.format = ToolFormat.detect(template.source) if template.is_jinja else Generic()
+        format = ToolFormat.detect(template.source) if template.is_jinja else Generic()
+        if format.trigger is not None:  # a marker that is one special token is named as that token
+            format = type(format)(self._special_token(format.trigger))
+        self.format = format
 
     def check(self) -> None:
         """Raises ChatTemplateError (a Jinja template that does not parse) or ModelError (a name
@@ -129,8 +133,6 @@ class Chat:
         if reasoning_budget == 0:
             template_kwargs = {"enable_thinking": False, **(template_kwargs or {})}
         format = self.format if tools is not None else None
-        if format is not None and format.trigger is not None and format.trigger_token is None:
-            format = type(format)(self._special_token(format.trigger))
         shown = [_for_template(m, format) for m in messages]
         if tools is not None and not format.renders_tools and tools.constrained:
             shown = _with_system(shown, format.system_prompt(tools))
@@ -196,4 +198,4 @@ def _after_thought(lark: str, reasoning: Reasoning) -> str:
     return f'start: {thought} answer\nanswer: {head.removeprefix("start: ")}\nthought[stop="</think>"]: /(.|\\n)*/\n{rest}'
 
 
-__all__ = ["Answer", "AnswerStream", "Chat", "ChatPrompt", "ToolCall"]
+__all__ = ["Answer", "AnswerStream", "Chat", "ChatPrompt"]

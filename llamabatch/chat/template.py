@@ -96,6 +96,3 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template ({self.origin}) cannot render these messages: {e}") from None
         except (TypeError, AttributeError, KeyError, IndexError, ValueError) as e:  # a template reading a field the messages lack
             raise ChatTemplateError(f"chat template ({self.origin}) failed on these messages: {type(e).__name__}: {e}") from None
-
-    def mentions(self, text: str) -> bool:
-        return text in self.source

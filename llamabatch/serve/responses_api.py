@@ -21,6 +21,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
 from fastapi.responses import StreamingResponse
 from pydantic import Field, StrictBool, StrictStr, ValidationError
 
+from ..chat.conversation import Answer
 from ..engine import BatchEngine
 from ..errors import LlamabatchError
 from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, refusal_status, usage, validation_message
@@ -308,20 +309,16 @@ async def _events(body, chat, reply: Reply, worker: EngineWorker, response_id: s
     .output_item.added, content part, deltas (.reasoning_text, .output_text,
     .function_call_arguments) and their .done events, .output_item.done; then .completed (or
     .incomplete when max_output_tokens cut it). A failure after the start is response.failed."""
-    events = _Events(response_id)
+    events = _Events()
     start = response_object(body, response_id, created, [], "in_progress")
     yield events.send("response.created", response=start)
     yield events.send("response.in_progress", response=start)
-    message: dict = {"role": "assistant", "content": ""}
+    deltas: list[dict] = []
     try:
         async for delta in reply.answer_deltas(worker):
+            deltas.append(delta)
             for chunk in events.delta(delta):
                 yield chunk
-            message["content"] += delta.get("content", "")
-            if delta.get("reasoning_content"):
-                message["reasoning_content"] = message.get("reasoning_content", "") + delta["reasoning_content"]
-            if delta.get("tool_calls"):
-                message.setdefault("tool_calls", []).extend({k: v for k, v in c.items() if k != "index"} for c in delta["tool_calls"])
     except HTTPException as e:
         failed = {**start, "status": "failed", "error": {"code": "server_error" if e.status_code >= 500 else "invalid_prompt",
                                                           "message": str(e.detail)}}
@@ -332,14 +329,14 @@ async def _events(body, chat, reply: Reply, worker: EngineWorker, response_id: s
     seq = reply.submission.sequences[0]
     status = "incomplete" if seq.finish_reason == "length" else "completed"
     obj = response_object(body, response_id, created, events.items, status, reply.submission.sequences)
-    await asyncio.to_thread(kept, body, chat, obj, {**message, "content": message["content"] or None})
+    await asyncio.to_thread(kept, body, chat, obj, Answer.assembled(deltas))
     yield events.send(f"response.{status}", response=obj)
 
 
 class _Events:
     """The open output item of a stream, and the events' sequence numbers."""
 
-    def __init__(self, response_id: str) -> None:
+    def __init__(self) -> None:
         self.number = 0
         self.items: list[dict] = []  # finished output items
         self.open: dict | None = None
