@@ -263,6 +263,7 @@ def plan_table(row: dict) -> None:
         ("  KV cache", mib(row["kv_bytes"])),
         ("  compute + logits buffers", mib(row["compute_bytes"] + row["output_bytes"])),
         *([("  checkpoints (at most)", mib(row["checkpoint_bytes"]))] if row["checkpoint_bytes"] else []),
+        *([("  prompt cache in RAM", mib(row["prompt_cache_bytes"]))] if row["prompt_cache_bytes"] else []),
         ("  Python and libraries", mib(row["process_bytes"])),
         ("  total", mib(row["total_bytes"])),
     ]

@@ -17,7 +17,7 @@ import uvicorn
 from llamabatch import BatchEngine
 from llamabatch.serve.app import ServerSettings, create_app
 
-from tiny_model import write_tiny_model
+from tiny_model import FAMILIES, write_tiny_family, write_tiny_model
 
 # Deterministic mode switches ggml to kernels whose results do not depend on a batch's rows, and
 # ggml reads that switch once per process, at its first matmul. Setting it for the whole suite
@@ -52,6 +52,12 @@ def tiny_model(tmp_path_factory) -> Path:
 def tiny_eos_model(tmp_path_factory) -> Path:
     """A tiny model whose greedy choice is always the end-of-sequence token."""
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-eos.gguf", always_eos=True)
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family(request, tmp_path_factory) -> tuple[str, Path]:
+    """Each recurrent or hybrid family in turn: its name and a tiny GGUF of it."""
+    return request.param, write_tiny_family(tmp_path_factory.mktemp("families") / f"{request.param}.gguf", request.param)
 
 
 @pytest.fixture

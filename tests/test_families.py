@@ -38,12 +38,6 @@ ROLLBACK = {"mamba2": False, "lfm2": True, "granitehybrid": False, "qwen35": Tru
 SYSTEM = "You are a careful assistant. Answer briefly, cite the page, and never guess the capital. " * 12
 
 
-@pytest.fixture(scope="session", params=FAMILIES)
-def family(request, tmp_path_factory) -> tuple[str, Path]:
-    """Each recurrent or hybrid family in turn: its name and a tiny GGUF of it."""
-    return request.param, write_tiny_family(tmp_path_factory.mktemp("families") / f"{request.param}.gguf", request.param)
-
-
 def engine_on(model: Path, **settings) -> BatchEngine:
     return BatchEngine(model, **{"n_parallel": 4, "n_ctx": 8192, "n_threads": 2, **settings})
 

@@ -16,7 +16,7 @@ from ..errors import LlamabatchError
 from ..jobs.prompts import gather_prompts
 from .options import (
     BadWordsOpt, DryAllowedLengthOpt, DryBaseOpt, DryMultiplierOpt, DryPenaltyLastNOpt, DrySequenceBreakersOpt, DynatempExponentOpt, DynatempRangeOpt, MinTokensOpt, MirostatEtaOpt, MirostatOpt, MirostatTauOpt, TopNSigmaOpt, TypicalPOpt, XtcProbabilityOpt, XtcThresholdOpt, further_samplers,
-    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, ChoiceOpt,
+    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, ChoiceOpt,
     CtxOpt, CtxPerSeqOpt, DEFAULT, DeterministicOpt, DraftMaxOpt, DraftModelOpt, FlashAttnOpt, FrequencyPenaltyOpt,
     GpuLayersOpt, GrammarOpt,
     IgnoreEosOpt, JsonOpt, JsonSchemaOpt, KvUnifiedOpt, LoraOpt, MaxTokensOpt, MemoryOpt, MinPOpt, ModelOpt,
@@ -72,6 +72,9 @@ def run(
     draft_max: DraftMaxOpt = None,
     checkpoint_every: CheckpointEveryOpt = None,
     checkpoint_memory: CheckpointMemoryOpt = None,
+    cache_ram: CacheRamOpt = None,
+    cache_dir: CacheDirOpt = None,
+    cache_disk: CacheDiskOpt = None,
     dry_multiplier: DryMultiplierOpt = None,
     dry_base: DryBaseOpt = None,
     dry_allowed_length: DryAllowedLengthOpt = None,

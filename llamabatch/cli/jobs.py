@@ -13,7 +13,7 @@ from ..engine.options import AUTO, EngineOptions
 from ..errors import LlamabatchError
 from .options import (
     BadWordsOpt, DryAllowedLengthOpt, DryBaseOpt, DryMultiplierOpt, DryPenaltyLastNOpt, DrySequenceBreakersOpt, DynatempExponentOpt, DynatempRangeOpt, MinTokensOpt, MirostatEtaOpt, MirostatOpt, MirostatTauOpt, TopNSigmaOpt, TypicalPOpt, XtcProbabilityOpt, XtcThresholdOpt, further_samplers,
-    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, ChoiceOpt,
+    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, ChoiceOpt,
     CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt,
     FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt,
     IgnoreEosOpt, JsonSchemaOpt, KvUnifiedOpt, LoraOpt, MaxTokensOpt, MemoryOpt, MinPOpt, ModelOpt, ParallelOpt,
@@ -79,6 +79,9 @@ def batch(
     draft_max: DraftMaxOpt = None,
     checkpoint_every: CheckpointEveryOpt = None,
     checkpoint_memory: CheckpointMemoryOpt = None,
+    cache_ram: CacheRamOpt = None,
+    cache_dir: CacheDirOpt = None,
+    cache_disk: CacheDiskOpt = None,
     dry_multiplier: DryMultiplierOpt = None,
     dry_base: DryBaseOpt = None,
     dry_allowed_length: DryAllowedLengthOpt = None,

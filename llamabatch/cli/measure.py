@@ -14,10 +14,12 @@ from ..engine import BatchEngine, EngineConfig, SamplingParams
 from ..engine.planning import plan_for
 from ..engine.native import Model, init_backend
 from ..engine import tuning
+from ..engine.config import size_option
 from ..engine.options import EngineOptions, memory_budget
 from ..errors import LlamabatchError
 from ..measure import sweep as sweep_bench
 from .options import (
+    CacheRamOpt,
     BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, DeterministicOpt, DraftModelOpt, FlashAttnOpt, GpuLayersOpt,
     JsonOpt, KvUnifiedOpt, LoraOpt, MemoryOpt, ModelOpt, RpcOpt, RpcTimeoutOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt,
     UbatchOpt, VerboseOpt, int_list, reports_errors,
@@ -61,6 +63,7 @@ def plan(
     ubatch_size: UbatchOpt = None,
     cache_type_k: CacheTypeKOpt = None,
     cache_type_v: CacheTypeVOpt = None,
+    cache_ram: CacheRamOpt = None,
     check: Annotated[bool, typer.Option(help="Create the planned context and compare with the KV buffer llama.cpp allocates.")] = False,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
@@ -69,6 +72,7 @@ def plan(
     planned, shape = plan_for(
         model, catalog=config, ctx_per_seq=ctx_per_seq, memory=memory_budget(memory), kv_unified=kv_unified,
         n_ubatch=ubatch_size, cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose,
+        cache_ram=0 if cache_ram is None else size_option(cache_ram, "--cache-ram"),
     )
     row = {**asdict(planned), "n_ctx": planned.n_ctx, "total_bytes": planned.total_bytes, **asdict(shape),
            "kv_bytes_per_token": shape.bytes_per_token, "cache_type_k": cache_type_k or "f16", "cache_type_v": cache_type_v or "f16"}

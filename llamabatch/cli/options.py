@@ -57,8 +57,15 @@ CheckpointEveryOpt = Annotated[Optional[int], typer.Option(
     "--checkpoint-every", metavar="TOKENS", help="Recurrent and hybrid models: checkpoint a prompt's state every TOKENS (64; 0: at its end only), so later prompts reuse its prefix.",
 )]
 CheckpointMemoryOpt = Annotated[Optional[str], typer.Option(
-    "--checkpoint-memory", metavar="SIZE", help="Recurrent and hybrid models: host memory for those checkpoints, e.g. 512MiB (1GiB; 0: none).",
+    "--checkpoint-memory", metavar="SIZE", help="Recurrent, hybrid and sliding-window models: host memory for state checkpoints, e.g. 512MiB (1GiB; 0: none).",
 )]
+CacheRamOpt = Annotated[Optional[str], typer.Option(
+    "--cache-ram", metavar="SIZE", help="Keep the memory of prompts whose slot is taken in host RAM, up to SIZE (e.g. 4GiB; 0, the default: off); a later prompt sharing a prefix gets it back instead of prefilling it.",
+)]
+CacheDirOpt = Annotated[Optional[Path], typer.Option(
+    "--cache-dir", metavar="DIR", help="Also keep those prompts' memory in DIR, which outlives the process (a restart finds them).",
+)]
+CacheDiskOpt = Annotated[Optional[str], typer.Option("--cache-disk", metavar="SIZE", help="Most bytes --cache-dir holds (8GiB).")]
 EmbedPackOpt = Annotated[Optional[int], typer.Option("--embed-pack", help="Tokens packed into one embedding decode (256; 2048 gives llama-embedding's own vectors).")]
 ReplicasOpt = Annotated[Optional[str], typer.Option("--replicas", metavar="N|auto", help="Engines, on Ray: a number, or 'auto' (one per GPU, else one per node).")]
 SharePrefixesOpt = Annotated[

@@ -15,13 +15,14 @@ import numpy as np
 from ..catalog import Catalog
 from ..chat import ChatTemplate, Tools
 from ..chat.conversation import Chat, ChatPrompt
-from .adapters import Adapters
+from .adapters import Adapters, AdapterSet
 from .config import RPC_TIMEOUT_S, EngineConfig
 from .constraints import Constraint, Grammars
 from .embedding import MAX_TEXTS_PER_DECODE, Embedder, Pooling, finish, model_pooling
 from ..errors import ChatTemplateError, ConfigError, ModelError, ConstraintError, DecodeError, EngineBroken, PromptError, SamplingError
-from .memory import Memory, MemoryRefused
+from .memory import Family, Memory, MemoryRefused
 from .native import INVALID_BATCH, KV_FULL, Batch, Context, Model, init_backend, use_row_invariant_matmul
+from .prompt_cache import MIN_TOKENS as PROMPT_CACHE_MIN_TOKENS, CachedPrompt, PromptCache, fingerprint
 from .rpc import guard as rpc_guard, local_accelerators, remote_devices
 from .results import Event, Result, RunStats, Score
 from .chain import build_sampler
@@ -69,6 +70,9 @@ class BatchEngine:
         checkpoint_every: int | None = None,
         checkpoint_memory: int | str | None = None,
         embed_pack: int | None = None,
+        cache_ram: int | str | None = None,
+        cache_dir: str | Path | None = None,
+        cache_disk: int | str | None = None,
         scheduling: str | None = None,
         lora: Iterable[str | Path] | None = None,
         cache_type_k: str | None = None,
@@ -88,7 +92,8 @@ class BatchEngine:
             n_threads=n_threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
             deterministic=deterministic, speculative=speculative, draft_model=None if draft_model is None else str(draft_model),
             draft_max=draft_max, checkpoint_every=checkpoint_every, checkpoint_memory=checkpoint_memory,
-            embed_pack=embed_pack, scheduling=scheduling, lora=None if lora is None else tuple(map(str, lora)),
+            embed_pack=embed_pack, cache_ram=cache_ram, cache_dir=None if cache_dir is None else str(cache_dir),
+            cache_disk=cache_disk, scheduling=scheduling, lora=None if lora is None else tuple(map(str, lora)),
             cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn, rpc=rpc, tensor_split=tensor_split,
             rpc_timeout=rpc_timeout, chat=chat, chat_template=None if chat_template is None else str(chat_template),
             verbose=verbose,
@@ -119,6 +124,7 @@ class BatchEngine:
             self.memory = Memory(self.ctx, self.model, cfg.checkpoint_memory if cfg.share_prefixes else 0)
             self.chat = self._chat(spec.chat_template)  # a --chat-template refused frees what was loaded
             self.speculator = Speculator.for_config(cfg, self.model.vocab, self.ctx.n_ctx, draft_path)
+            self.prompt_cache = self._prompt_cache(path)
             undo.pop_all()  # loaded: close() frees them from now on
         self.vocab = self.model.vocab
         self.batch = Batch(self.ctx.n_batch)
@@ -135,7 +141,7 @@ class BatchEngine:
             max_outputs=LOGITS_BUDGET_BYTES // (4 * self.vocab.n_vocab), policy=cfg.scheduling,
             # Memory that cannot be cut is checkpointed where prefills stop: every checkpoint_every
             # prompt tokens, at a prompt's end, where a reused prefix stopped matching.
-            checkpoint_every=cfg.checkpoint_every if self.memory.checkpointing else None,
+            checkpoint_every=self._checkpoint_every(),
         )
         self.grammars = Grammars(self.vocab)
         self.stats = RunStats()
@@ -145,6 +151,21 @@ class BatchEngine:
         self._uids = itertools.count()
         self._embedders: dict[Pooling, Embedder] = {}  # made on first use, one per pooling type
         self._default_pooling: Pooling | None = None
+
+    def _checkpoint_every(self) -> int | None:
+        """Prompt tokens between checkpoints (0: at prompt ends and parting points only; None:
+        none, the memory can be cut anywhere). A sliding window's checkpoint holds the whole
+        window (15 MiB for Gemma 3 270M), so those are taken only where they are known to pay."""
+        if not self.memory.checkpointing:
+            return None
+        return 0 if self.memory.caps.family is Family.SLIDING_WINDOW else self.config.checkpoint_every
+
+    def _prompt_cache(self, path: Path) -> PromptCache | None:
+        cfg = self.config
+        if not cfg.cache_ram and not cfg.cache_dir:
+            return None
+        key = fingerprint(path, [spec.path for spec, _ in self.adapters.chosen], cfg.cache_type_k, cfg.cache_type_v, str(self.ctx.flash_attn))
+        return PromptCache(cfg.cache_ram, key, None if cfg.cache_dir is None else Path(cfg.cache_dir), cfg.cache_disk)
 
     def _chat(self, builtin: str | None) -> Chat | None:
         """The model's chat format: --chat-template over the GGUF's template over the catalog's
@@ -314,7 +335,7 @@ class BatchEngine:
         for victim in self.scheduler.victims():
             self._make_way(victim)
         for seq in self.scheduler.admit():
-            self.memory.resume(seq)
+            self._resume(seq)
             self.stats.prompt_tokens_reused += seq.n_cached
         drafted = self._propose_drafts() if self.speculator is not None else None  # None: nothing planned
         scheduled = self.scheduler.schedule(reserved=sum(len(s.draft) for s in drafted) if drafted else 0)
@@ -514,6 +535,59 @@ class BatchEngine:
         """Free the KV that finished sequences left in their slots for later prompts."""
         for seq_id in self.scheduler.evict_cached():
             self.memory.clear(seq_id)
+
+    # -- the prompt cache --------------------------------------------------------------
+
+    def _resume(self, seq: Sequence) -> None:
+        """Give an admitted sequence its memory (memory.resume): what its slot keeps of the
+        prefix the scheduler matched, or more of its prompt from the prompt cache. Whatever the
+        slot held that the sequence does not keep goes to the prompt cache first."""
+        cache = self.prompt_cache
+        if cache is not None and seq.swapped is None:
+            slot = self.scheduler.slot_of(seq)
+            if seq.n_past < len(slot.cached):
+                self._keep_prompt(seq.seq_id, slot.cached, slot.adapters)
+            if seq.leader is None:  # (a leader, admitted before it, looked here already)
+                self._restore_prompt(seq, cache)
+        self.memory.resume(seq)
+
+    def _keep_prompt(self, seq_id: int, tokens: list[int], adapters: AdapterSet) -> None:
+        """The stream's memory (it holds exactly `tokens`) into the prompt cache."""
+        cache = self.prompt_cache
+        if len(tokens) < PROMPT_CACHE_MIN_TOKENS or cache.holds(tokens, adapters) or self.memory.held(seq_id) != len(tokens):
+            return
+        state, checkpoints = self.memory.snapshot(seq_id)
+        if state:
+            nbytes = len(state) + sum(len(cp.data) for cp in checkpoints)
+            cache.keep(CachedPrompt(list(tokens), adapters, tuple(cp.n_tokens for cp in checkpoints), nbytes, state, checkpoints))
+
+    def _restore_prompt(self, seq: Sequence, cache: PromptCache) -> None:
+        """Where a cached prompt gives more of this one than its slot does, it replaces the slot's
+        memory, and seq.n_past becomes the prefix they share (memory.resume then cuts it there)."""
+        limit = min(len(seq.tokens) - 1, seq.shareable)  # as the scheduler's match: the newest token is decoded again
+        if limit < PROMPT_CACHE_MIN_TOKENS:
+            return
+        best, n_best = None, self.memory.reusable(seq.seq_id, seq.n_past) + PROMPT_CACHE_MIN_TOKENS - 1  # worth a restore
+        for shared, entry in cache.candidates(seq.tokens[:limit], seq.adapters):
+            n = self.memory.reusable_from(shared, entry.n_tokens, entry.positions)
+            if n > n_best:
+                best, n_best, seq.n_past = entry, n, shared
+        if best is None:
+            cache.stats.misses += 1
+            return
+        loaded = cache.load(best)
+        held = self.memory.put_back(seq.seq_id, *loaded) if loaded is not None else 0
+        if held != best.n_tokens:
+            if loaded is not None:
+                cache.refuse(best, "llama.cpp did not take its state")
+            self.memory.clear(seq.seq_id)
+            seq.n_past = 0
+
+    def _keep_free_slots(self) -> None:
+        """Every free slot's cached prompt into the prompt cache (before the slots lose them)."""
+        if self.prompt_cache is not None:
+            for slot in self.scheduler.cached_slots():
+                self._keep_prompt(slot.seq_id, slot.cached, slot.adapters)
 
     # -- inside a step ---------------------------------------------------------------
 
@@ -722,6 +796,7 @@ class BatchEngine:
         preempting the newest sequence, or (alone) cutting it short."""
         self._undo(scheduled, stored=False)
         if self.ctx.kv_unified and self.scheduler.has_cached_prefixes:  # cells the batch can use: retry
+            self._keep_free_slots()
             self.drop_cached_prefixes()
             return []
         if len(self.scheduler.running) > 1:
@@ -747,6 +822,10 @@ class BatchEngine:
         """Free every native handle: samplers of unfinished sequences, batch, context, then model."""
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             seq.close_samplers()
+        if self.prompt_cache is not None:
+            if self.prompt_cache.folder is not None and self.broken is None:  # on disk, the slots' prompts outlive the process
+                self._keep_free_slots()
+            self.prompt_cache.close()
         if self.speculator is not None:
             self.speculator.close()
         for embedder in self._embedders.values():

@@ -35,6 +35,8 @@ RPC_TIMEOUT_S = 600.0  # --rpc-timeout's default
 # in at most CHECKPOINT_MEMORY of host memory over all slots. docs/guides/model-families.md.
 CHECKPOINT_EVERY = 64
 CHECKPOINT_MEMORY = 1 << 30
+# The prompt cache's disk tier when --cache-dir is given without --cache-disk.
+CACHE_DISK = 8 << 30
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class EngineConfig:
     checkpoint_every: int = CHECKPOINT_EVERY  # recurrent/hybrid memory: prompt tokens between checkpoints (0: ends only)
     checkpoint_memory: int = CHECKPOINT_MEMORY  # bytes of host memory for them (0: none kept)
     embed_pack: int = EMBED_PACK_TOKENS  # tokens packed into one embedding decode
+    # The prompt cache (engine.prompt_cache): host memory for the memory of prompts whose slot
+    # was taken (0: none), and a folder that keeps them across restarts, within cache_disk bytes.
+    cache_ram: int = 0
+    cache_dir: str | None = None
+    cache_disk: int = CACHE_DISK
     # "priority": admission by priority (aged), preempting worse-ranked sequences for better
     # ones; "fcfs": submission order, no preemption (vLLM's --scheduling-policy). Sequences of
     # one priority (every command but serve) run in submission order under both.
@@ -96,7 +103,9 @@ class EngineConfig:
         object.__setattr__(self, "lora", tuple(str(text) for text in self.lora))
         object.__setattr__(self, "rpc", parse_endpoints(self.rpc))
         object.__setattr__(self, "tensor_split", parse_tensor_split(self.tensor_split))
-        object.__setattr__(self, "checkpoint_memory", checkpoint_budget(self.checkpoint_memory))
+        object.__setattr__(self, "checkpoint_memory", size_option(self.checkpoint_memory))
+        object.__setattr__(self, "cache_ram", size_option(self.cache_ram, "--cache-ram"))
+        object.__setattr__(self, "cache_disk", size_option(self.cache_disk, "--cache-disk"))
         for problem in self._problems():
             raise ConfigError(problem)
 
@@ -163,6 +172,11 @@ class EngineConfig:
             yield f"--checkpoint-every must be >= 0 tokens (0: checkpoints only at prompt ends), got {self.checkpoint_every}"
         if self.checkpoint_memory < 0:
             yield f"--checkpoint-memory must be >= 0, got {self.checkpoint_memory}"
+        for option, value in (("--cache-ram", self.cache_ram), ("--cache-disk", self.cache_disk)):
+            if value < 0:
+                yield f"{option} must be >= 0, got {value}"
+        if (self.cache_ram or self.cache_dir) and not self.share_prefixes:
+            yield "the prompt cache (--cache-ram, --cache-dir) keeps prefixes for reuse: it needs shared prefixes (drop --deterministic or --no-share-prefixes)"
         for name in ("cache_type_k", "cache_type_v"):
             if getattr(self, name) not in CACHE_TYPES:
                 yield unknown_cache_type(name, getattr(self, name))
@@ -181,14 +195,14 @@ class EngineConfig:
             yield f"gpu_layers must be -1 (all) or >= 0, got {self.gpu_layers}"
 
 
-def checkpoint_budget(value: int | str) -> int:
-    """--checkpoint-memory in bytes: a number, or a size such as 512MiB (0: none)."""
+def size_option(value: int | str, option: str = "--checkpoint-memory") -> int:
+    """A memory budget option in bytes: a number, or a size such as 512MiB (0: none)."""
     if not isinstance(value, str):
         return value
     try:
         return parse_size(value, zero=True)
     except ValueError as e:
-        raise ConfigError(f"--checkpoint-memory: {e}") from None
+        raise ConfigError(f"{option}: {e}") from None
 
 
 def parse_size(text: str, zero: bool = False) -> int:

@@ -22,6 +22,7 @@ again: memory never holds positions the engine does not know of, so no decode me
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -124,6 +125,21 @@ class Checkpoints:
             self._used[seq_id] = next(self._clock)
         return max(candidates, key=lambda cp: cp.n_tokens, default=None)
 
+    def of(self, seq_id: int) -> list[Checkpoint]:
+        return self.kept.get(seq_id, [])
+
+    def adopt(self, seq_id: int, checkpoints: Iterable[Checkpoint], held: int) -> None:
+        """The stream was given a kept state of `held` positions: these checkpoints describe it."""
+        self.drop(seq_id)
+        self.kept[seq_id] = []
+        for cp in checkpoints:
+            if cp.n_tokens <= held:
+                self._keep(seq_id, cp)
+        self.kept[seq_id].sort(key=lambda cp: cp.n_tokens)
+        self._used[seq_id] = next(self._clock)
+        while self.kept_bytes > self.budget:
+            self._evict_one()
+
     def has(self, seq_id: int, n: int) -> bool:
         return any(cp.n_tokens == n for cp in self.kept.get(seq_id, ()))
 
@@ -194,8 +210,9 @@ class Memory:
 
     @property
     def checkpointing(self) -> bool:
-        """Prompts are checkpointed as they prefill: the memory cannot be cut, and has a budget for them."""
-        return not self.caps.can_cut and self.checkpoints.budget > 0
+        """Prompts are checkpointed as they prefill: the memory cannot always be cut (recurrent
+        state; a sliding window that moved past the cut), and has a budget for them."""
+        return self.caps.family is not Family.ATTENTION and self.checkpoints.budget > 0
 
     # -- sequences ------------------------------------------------------------------------
 
@@ -211,11 +228,46 @@ class Memory:
                 return
             self.clear(seq.seq_id)
             seq.n_past, seq.scored = 0, PromptScore()
-        matched = seq.n_past
+        matched, held = seq.n_past, self.held(seq.seq_id)
         seq.n_past = self.truncate(seq.seq_id, matched)
-        if seq.n_past < matched and self.checkpointing:
-            seq.checkpoint_at = matched  # where prompts part ways: the next one alike stops here too
+        if self.checkpointing and 0 < matched < held:  # where prompts part ways: later ones alike come back here
+            if seq.n_past == matched:
+                self.checkpoint(seq.seq_id)  # (the cut worked: the window still reached, or a checkpoint was there)
+            else:
+                seq.checkpoint_at = matched  # its prefill stops here for one
         seq.n_cached = min(seq.n_past, seq.n_prompt)
+
+    def reusable(self, seq_id: int, n: int) -> int:
+        """How many of the stream's first n positions truncate() would keep (nothing is changed)."""
+        return self._keeps(n, self.held(seq_id), self.ctx.seq_pos_min(seq_id), [cp.n_tokens for cp in self.checkpoints.of(seq_id)])
+
+    def reusable_from(self, n: int, held: int, positions: Iterable[int]) -> int:
+        """The same for a kept state of `held` positions (prompt_cache.CachedPrompt) with
+        checkpoints at `positions`, once put back. llama.cpp puts back only the last n_swa
+        positions of a sliding window: a state longer than the window cuts only at a checkpoint."""
+        return self._keeps(n, held, max(0, held - self.caps.n_swa), positions)
+
+    def _keeps(self, n: int, held: int, pos_min: int, positions: Iterable[int]) -> int:
+        if n >= held:
+            return held
+        if n <= 0:
+            return 0
+        if self.caps.family is Family.ATTENTION or (self.caps.family is Family.SLIDING_WINDOW and self._reaches(pos_min, n)):
+            return n
+        return max((p for p in positions if p <= n), default=0)
+
+    def snapshot(self, seq_id: int) -> tuple[bytes, tuple[Checkpoint, ...]]:
+        """What the stream holds, to keep outside the context: its whole state, and its
+        checkpoints (shared, not copied)."""
+        return self.ctx.state(seq_id), tuple(self.checkpoints.of(seq_id))
+
+    def put_back(self, seq_id: int, state: bytes, checkpoints: Iterable[Checkpoint]) -> int:
+        """A snapshot into the stream, replacing what it held; returns the positions it holds
+        now (0: llama.cpp did not take it)."""
+        held = self.restore(seq_id, state)
+        if held:
+            self.checkpoints.adopt(seq_id, checkpoints, held)
+        return held
 
     def share(self, leader: Sequence, follower: Sequence) -> int:
         """The follower gets the leader's first follower.n_shared positions (or as many as the
@@ -296,8 +348,7 @@ class Memory:
             self.ctx.seq_cp(src, dst, 0, n)  # shared cells: only which sequences own them changes
         else:
             self.ctx.seq_cp(src, dst)  # per-sequence buffers are copied whole (llama.cpp copies no part)
-        if not self.caps.can_cut:
-            self.checkpoints.inherit(src, dst, n)
+        self.checkpoints.inherit(src, dst, n)
         got = self.held(dst)
         if got <= n:  # recurrent state is copied whole: exact when src held exactly n
             return got
@@ -325,16 +376,16 @@ class Memory:
         return 0
 
     def _cut(self, seq_id: int, n: int) -> int:
-        if self.caps.family is Family.SLIDING_WINDOW and not self._window_reaches(seq_id, n):
-            self.clear(seq_id)
-            return 0
+        if self.caps.family is Family.SLIDING_WINDOW and not self._reaches(self.ctx.seq_pos_min(seq_id), n):
+            return self._rewind(seq_id, n)  # the window moved past n: back to a checkpoint of it, if any
         if not self.ctx.seq_rm(seq_id, n):
             raise MemoryRefused(f"llama.cpp refused to cut sequence {seq_id} at position {n} ({self.caps.family.value} memory)")
+        self.checkpoints.drop_after(seq_id, n)
         return n
 
-    def _window_reaches(self, seq_id: int, n: int) -> bool:
-        """Whether the windowed layers still hold the positions a token at n attends to."""
-        return 0 <= self.ctx.seq_pos_min(seq_id) <= max(0, n - self.caps.n_swa)
+    def _reaches(self, pos_min: int, n: int) -> bool:
+        """Whether windowed layers holding positions from pos_min on hold those a token at n attends to."""
+        return 0 <= pos_min <= max(0, n - self.caps.n_swa)
 
     def _rewind(self, seq_id: int, n: int) -> int:
         """Back to the latest checkpoint at or before n (its recurrent part put back, then the

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..catalog import Catalog
 from ..errors import ConfigError
 from .config import EngineConfig
-from .config import checkpoint_budget, parse_duration, parse_size
+from .config import size_option, parse_duration, parse_size
 from . import tuning
 from .batch_engine import BatchEngine
 from .planning import plan_for
@@ -43,6 +43,9 @@ class EngineOptions:
     checkpoint_every: int | None = None
     checkpoint_memory: str | None = None  # a size: 512MiB, 1GiB, 0
     embed_pack: int | None = None
+    cache_ram: str | None = None  # a size: 4GiB, 0
+    cache_dir: Path | None = None
+    cache_disk: str | None = None  # a size
     scheduling_policy: str | None = None
     lora: list[str] | None = None  # PATH[:SCALE] or a catalog adapter's NAME[:SCALE], each
     cache_type_k: str | None = None
@@ -85,7 +88,8 @@ class EngineOptions:
             n_ubatch=self.ubatch_size, n_threads=self.threads, gpu_layers=self.gpu_layers, kv_unified=self.kv_unified,
             share_prefixes=self.share_prefixes, deterministic=self.deterministic, speculative=self.speculative,
             draft_model=self.draft_model, draft_max=self.draft_max, checkpoint_every=self.checkpoint_every,
-            checkpoint_memory=self.checkpoint_memory, embed_pack=self.embed_pack,
+            checkpoint_memory=self.checkpoint_memory, embed_pack=self.embed_pack, cache_ram=self.cache_ram,
+            cache_dir=None if self.cache_dir is None else str(self.cache_dir), cache_disk=self.cache_disk,
             scheduling=self.scheduling_policy, lora=self.lora, cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v, flash_attn=self.flash_attn, rpc=self.rpc, tensor_split=self.tensor_split,
             rpc_timeout=self.rpc_timeout, chat=self.chat, chat_template=self.chat_template, verbose=self.verbose,
@@ -155,7 +159,8 @@ class EngineOptions:
             self.model, catalog=self.config, ctx_per_seq=ctx_per_seq or self.ctx_per_seq, memory=memory_budget(self.memory),
             kv_unified=kv_unified, n_ubatch=self.ubatch_size, max_parallel=n_sequences, cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v, rpc=self.rpc, verbose=self.verbose,
-            checkpoint_memory=None if self.checkpoint_memory is None else checkpoint_budget(self.checkpoint_memory),
+            checkpoint_memory=None if self.checkpoint_memory is None else size_option(self.checkpoint_memory),
+            cache_ram=0 if self.cache_ram is None else size_option(self.cache_ram, "--cache-ram"),
         )
         return planned
 

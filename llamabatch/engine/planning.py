@@ -75,6 +75,11 @@ class KvShape:
                        n_swa=0, state_bytes=state)
 
     @property
+    def checkpointed(self) -> bool:
+        """Whether the engine keeps checkpoints of this model's memory (engine.memory.Memory.checkpointing)."""
+        return bool(self.state_bytes or self.swa_layers)
+
+    @property
     def bytes_per_token(self) -> int:
         """What each token of context costs in the full-attention layers (windows are bounded)."""
         return round(self.full_layers * self.cell_bytes)
@@ -105,7 +110,8 @@ class Plan:
     output_bytes: int  # one row of logits per sequence
     process_bytes: int  # what this process used before loading the model (Python, libraries)
     budget_bytes: int
-    checkpoint_bytes: int = 0  # recurrent and hybrid models: the host memory their checkpoints may hold
+    checkpoint_bytes: int = 0  # recurrent, hybrid and sliding-window models: the host memory their checkpoints may hold
+    prompt_cache_bytes: int = 0  # the prompt cache's RAM tier (--cache-ram)
 
     @property
     def n_ctx(self) -> int:
@@ -113,13 +119,14 @@ class Plan:
 
     @property
     def total_bytes(self) -> int:
-        return self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.process_bytes + self.checkpoint_bytes
+        return (self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.process_bytes
+                + self.checkpoint_bytes + self.prompt_cache_bytes)
 
 
 def plan(
     model: Model, shape: KvShape, ctx_per_seq: int, budget_bytes: int, *,
     kv_unified: bool = False, n_ubatch: int = 512, max_parallel: int | None = None, process_bytes: int = 0,
-    checkpoint_memory: int = CHECKPOINT_MEMORY,
+    checkpoint_memory: int = CHECKPOINT_MEMORY, cache_ram: int = 0,
 ) -> Plan:
     """The largest n_parallel (at least 1) whose model, KV cache and buffers fit in budget_bytes."""
     limit = llama_cpp.llama_max_parallel_sequences()
@@ -133,7 +140,7 @@ def plan(
     def at(n: int) -> Plan:
         return Plan(
             ctx_per_seq, n, kv_unified, model.size_bytes, shape.kv_bytes(ctx_per_seq * n, n, kv_unified, n_ubatch),
-            compute, 4 * n_vocab * n, process_bytes, budget_bytes, checkpoint_memory if shape.state_bytes else 0,
+            compute, 4 * n_vocab * n, process_bytes, budget_bytes, checkpoint_memory if shape.checkpointed else 0, cache_ram,
         )
 
     best = at(1)
@@ -149,7 +156,7 @@ def plan_for(
     model: str | Path | None = None, *, catalog: str | Path | None = None, ctx_per_seq: int | None = None,
     memory: int | None = None, kv_unified: bool = False, n_ubatch: int | None = None,
     max_parallel: int | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None,
-    rpc: str | None = None, checkpoint_memory: int | None = None, verbose: bool = False,
+    rpc: str | None = None, checkpoint_memory: int | None = None, cache_ram: int = 0, verbose: bool = False,
 ) -> tuple[Plan, KvShape]:
     """Plan a catalog model (or GGUF path): by default each sequence gets the catalog's
     per-sequence context, and the budget is the memory available now plus what this process
@@ -169,7 +176,7 @@ def plan_for(
         result = plan(
             loaded, shape, ctx_per_seq or spec.n_ctx // spec.parallel, memory or available_memory() + process,
             kv_unified=kv_unified, n_ubatch=n_ubatch or spec.n_ubatch, max_parallel=max_parallel, process_bytes=process,
-            checkpoint_memory=CHECKPOINT_MEMORY if checkpoint_memory is None else checkpoint_memory,
+            checkpoint_memory=CHECKPOINT_MEMORY if checkpoint_memory is None else checkpoint_memory, cache_ram=cache_ram,
         )
     if result.total_bytes > result.budget_bytes:
         raise ConfigError(

@@ -355,6 +355,15 @@ class Scheduler:
     def rank_of(self, seq: Sequence) -> tuple[float, int]:
         return rank(seq, self.policy)
 
+    def slot_of(self, seq: Sequence) -> Slot:
+        """A running sequence's slot; until the sequence ends, its `cached` is what the slot held
+        when the sequence was admitted."""
+        return self._slots[seq.seq_id]
+
+    def cached_slots(self) -> list[Slot]:
+        """The free slots that hold a prefix for later prompts."""
+        return [slot for slot in self._free.values() if slot.cached]
+
     @property
     def has_cached_prefixes(self) -> bool:
         return len(self._cached) > 0

@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -76,6 +76,7 @@ class Metrics:
         self.checkpoints.set_function(lambda: memory().checkpoints.count if memory() else 0)
         self.checkpoint_restores.set_function(lambda: memory().restored if memory() else 0)
         self.registry.register(_EngineInfo(worker))
+        self.registry.register(_PromptCacheMetrics(worker))
         self.tokens_per_decode.set_function(
             lambda: stats().completion_tokens / stats().decode_calls if stats() and stats().decode_calls else 0
         )
@@ -144,5 +145,37 @@ class _EngineInfo(Collector):
             "model": engine.model_name, "cache_type_k": k, "cache_type_v": v, "flash_attn": engine.ctx.flash_attn,
             "parallel": str(engine.config.n_parallel), "adapters": ",".join(a.name for a in engine.adapters.info),
             "rpc": ",".join(engine.config.rpc), "memory": engine.memory.caps.family.value,
-            "checkpoint_memory": str(engine.config.checkpoint_memory if not engine.memory.caps.can_cut else 0),
+            "checkpoint_memory": str(engine.config.checkpoint_memory if engine.memory.checkpointing else 0),
         })
+
+
+class _PromptCacheMetrics(Collector):
+    """The prompt cache's tiers (engine.prompt_cache), labelled by tier, when the engine has one."""
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+
+    def collect(self):
+        engine = self.worker.engine
+        cache = engine.prompt_cache if engine is not None else None
+        if cache is None:
+            return
+        stats = cache.stats
+        tiers = {"ram": stats.ram, "disk": stats.disk}
+        for name, doc, kind, read in (
+            ("hits", "Prompts whose prefix was restored from the tier", CounterMetricFamily, lambda t: t.hits),
+            ("evictions", "Entries pushed out of the tier for room", CounterMetricFamily, lambda t: t.evictions),
+            ("entries", "Prompts the tier holds", GaugeMetricFamily, lambda t: t.entries),
+            ("bytes", "Bytes the tier holds", GaugeMetricFamily, lambda t: t.bytes),
+        ):
+            family = kind(f"llamabatch_prompt_cache_{name}", doc, labels=["tier"])
+            for tier, counts in tiers.items():
+                family.add_metric([tier], read(counts))
+            yield family
+        budget = GaugeMetricFamily("llamabatch_prompt_cache_budget_bytes", "Each tier's budget in bytes", labels=["tier"])
+        budget.add_metric(["ram"], cache.ram_bytes)
+        budget.add_metric(["disk"], cache.disk_bytes)
+        yield budget
+        yield CounterMetricFamily("llamabatch_prompt_cache_misses", "Admitted prompts no entry gave more than their slot", value=stats.misses)
+        yield CounterMetricFamily("llamabatch_prompt_cache_kept", "Prompts kept as their slot was taken", value=stats.kept)
+        yield CounterMetricFamily("llamabatch_prompt_cache_refused", "Entries removed as unreadable, foreign or refused", value=stats.refused)
