@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import tempfile
 import threading
 import time
@@ -41,9 +42,11 @@ def start_server(args, data_dir: Path, policy: str) -> Server:
 
 
 def metrics(base: str) -> dict[str, float]:
-    """Every sample of /metrics, keyed by name with its labels."""
+    """Every sample of /metrics (the one model's), keyed by name with its labels but the model."""
     samples = (line.rsplit(" ", 1) for line in httpx.get(f"{base}/metrics").text.splitlines() if line and not line.startswith("#"))
-    return {name: float(value) for name, value in samples}
+    unlabelled = lambda name: re.sub(r'\{,|,\}|,,', lambda m: {"{,": "{", ",}": "}", ",,": ","}[m[0]],  # noqa: E731
+                                     re.sub(r'model="[^"]*"', "", name)).replace("{}", "")
+    return {unlabelled(name): float(value) for name, value in samples}
 
 
 def ttft(base: str, args, prompt: str) -> float | None:

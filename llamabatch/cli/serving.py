@@ -15,12 +15,12 @@ import typer
 from .. import display
 from ..catalog import Catalog
 from ..engine.native import init_backend
-from ..engine.options import AUTO, EngineOptions
+from ..engine.options import AUTO, EngineOptions, memory_budget
 from ..engine.rpc import DEFAULT_PORT as DEFAULT_RPC_PORT
 from ..errors import LlamabatchError
 from .options import (
     BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, CtxOpt, CtxPerSeqOpt,
-    DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt, MemoryOpt, ModelOpt,
+    DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt,
     MaxItlOpt, ParallelOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SharePrefixesOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt,
     UbatchOpt, VerboseOpt, parse_pooling, parse_replicas, reports_errors,
 )
@@ -32,12 +32,21 @@ if TYPE_CHECKING:  # the server's imports load only when serving
 @reports_errors
 def serve(
     context: typer.Context,
-    model: ModelOpt = None,
+    model: Annotated[Optional[list[str]], typer.Option(
+        "--model", "-m", metavar="NAME|PATH", help="Catalog name or path to a .gguf file; repeat it to serve several, each loaded when first asked for.")] = None,
+    models: Annotated[Optional[str], typer.Option(
+        "--models", metavar="NAMES|all", help="Catalog models to serve, comma-separated, or 'all' of the catalog's (loaded on demand).")] = None,
+    max_loaded: Annotated[Optional[int], typer.Option(
+        "--max-loaded", help="Several models: at most this many loaded at once (the least recently used idle one unloads for another).")] = None,
+    idle_unload: Annotated[Optional[float], typer.Option(
+        "--idle-unload", metavar="SECONDS", help="Several models: unload a model idle this long.")] = None,
     config: CatalogOpt = None,
     parallel: ParallelOpt = None,
     ctx: CtxOpt = None,
     ctx_per_seq: CtxPerSeqOpt = None,
-    memory: MemoryOpt = None,
+    memory: Annotated[Optional[str], typer.Option(
+        "--memory", help="With --parallel auto: the memory it plans for (default: what is free now). With several models: "
+                         "the memory the loaded models share, each planned as `llamabatch plan` plans it.")] = None,
     max_itl: MaxItlOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
@@ -88,9 +97,22 @@ def serve(
         raise LlamabatchError("--ray says where --replicas run: add --replicas N|auto, or drop --ray")
     if replicas is not None and parallel == AUTO:
         raise LlamabatchError("--parallel auto plans for this machine's memory, not each replica's: give --parallel N")
-    for name in (model, draft_model) if draft_model else (model,):  # an unknown model or a missing file fails here, not in a thread
-        Catalog.load(config).resolve(name).gguf_path()
-    engine = EngineOptions.of(context.params).engine_kwargs()
+    names = _served_names(model, models, config)
+    several = len(names) > 1
+    pool_options = {"--max-loaded": max_loaded, "--idle-unload": idle_unload}
+    if several:
+        _check_several(replicas, parallel, max_loaded, idle_unload)
+    elif any(v is not None for v in pool_options.values()):
+        given = ", ".join(k for k, v in pool_options.items() if v is not None)
+        raise LlamabatchError(f"{given} applies to several models: give more than one --model (or --models)")
+    if not several:  # an unknown model or a missing file fails here, not in a thread (with several: at its load)
+        for name in (names[0], draft_model) if draft_model else (names[0],):
+            Catalog.load(config).resolve(name).gguf_path()
+    served = {
+        Catalog.load(config).resolve(name).name: EngineOptions.of({**context.params, "model": name, "memory": None if several else memory})
+        .engine_kwargs() for name in names
+    }
+    engine = next(iter(served.values()))
     if max_upload_mb < 1:
         raise LlamabatchError(f"--max-upload-mb must be >= 1, got {max_upload_mb}")
     if reasoning_budget < -1:
@@ -99,13 +121,43 @@ def serve(
         raise LlamabatchError("--data-dir is for the Batch API of one server; replicas (--replicas) serve no batches")
     settings = ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout,
                               pooling=parse_pooling(pooling), max_upload=max_upload_mb << 20, reasoning_budget=reasoning_budget,
-                              data_dir=None if replicas is not None else data_dir or default_data_dir())
+                              data_dir=None if replicas is not None else data_dir or default_data_dir(),
+                              models=served if several else {}, max_loaded=max_loaded, idle_unload=idle_unload,
+                              memory=memory_budget(memory) if several else None)
     if replicas is not None:
         _serve_replicas(settings, parse_replicas(replicas), ray or "local", host, port)
         return
     app = create_app(settings)
     display.err.print(f"llamabatch serving on http://{host}:{port}/v1 (Ctrl-C stops)")
     uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
+
+
+def _served_names(model: list[str] | None, models: str | None, config: Path | None) -> list[str]:
+    """The models to serve, in order (the first answers requests that name none): the --model
+    ones, then --models (catalog names, or 'all'); the catalog's default without either."""
+    names = list(model or [])
+    if models is not None:
+        catalog = Catalog.load(config)
+        listed = list(catalog.models) if models.strip() == "all" else [n.strip() for n in models.split(",") if n.strip()]
+        for name in listed:
+            catalog.resolve(name)  # an unknown name fails here
+        names += listed
+    unique = list(dict.fromkeys(names))
+    by_name = [Catalog.load(config).resolve(name).name for name in unique]
+    if len(set(by_name)) < len(by_name):
+        raise LlamabatchError(f"two served models share a name: {sorted(n for n in by_name if by_name.count(n) > 1)}")
+    return unique or [None]
+
+
+def _check_several(replicas, parallel, max_loaded, idle_unload) -> None:
+    if replicas is not None:
+        raise LlamabatchError("--replicas serves one model: give one --model, or drop --replicas")
+    if parallel == AUTO:
+        raise LlamabatchError("--parallel auto plans one model's memory: with several models give --parallel N")
+    if max_loaded is not None and max_loaded < 1:
+        raise LlamabatchError(f"--max-loaded must be >= 1, got {max_loaded}")
+    if idle_unload is not None and idle_unload <= 0:
+        raise LlamabatchError(f"--idle-unload must be > 0 seconds, got {idle_unload}")
 
 
 def _serve_replicas(settings: ServerSettings, replicas: int | str, address: str, host: str, port: int) -> None:

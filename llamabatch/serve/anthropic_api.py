@@ -11,17 +11,17 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Annotated, Literal, Union
 
 from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, StrictBool, StrictStr, ValidationError
 
 from ..engine import BatchEngine
 from ..errors import LlamabatchError
 from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, refusal_status, usage, validation_message
 from .openai_api import Reply
+from .requests import Serving
 from .worker import EngineWorker
 
 # Anthropic's error types by HTTP status (its error body: {"type": "error", "error": {...}})
@@ -229,16 +229,13 @@ def message_usage(sequences) -> dict:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
-def anthropic_routes(
-    worker: EngineWorker, engine: Callable[[], BatchEngine], submit: Callable, make_reply: Callable[..., Reply],
-    authorized, errors, reasoning_budget: int,
-) -> APIRouter:
+def anthropic_routes(serving: Serving, authorized, errors, reasoning_budget: int) -> APIRouter:
     router = APIRouter(dependencies=[Depends(authorized)])
 
-    def translated(body: CountTokensRequest):
+    def translated(body: CountTokensRequest, engine: BatchEngine):
         try:
             chat = body.chat_request() if isinstance(body, MessagesRequest) else body.chat()
-            return chat, engine_inputs(chat, engine(), reasoning_budget)
+            return chat, engine_inputs(chat, engine, reasoning_budget)
         except LlamabatchError as e:
             raise HTTPException(refusal_status(e), str(e)) from None
         except ValidationError as e:  # the chat request it means is not one (no messages left, say)
@@ -246,22 +243,25 @@ def anthropic_routes(
 
     @router.post("/v1/messages", responses=errors(400, 401, 404, 429, 500, 503, 504, body=ErrorBody))
     async def messages(body: MessagesRequest, http: HttpRequest):
-        chat, inputs = await asyncio.to_thread(translated, body)
-        submission = await submit(inputs.prompts, inputs.params, chat.priority)
-        reply = make_reply(submission, chat.model, inputs.answer)
-        if body.stream:
-            return StreamingResponse(_events(reply, worker, body.model), media_type="text/event-stream")
-        await reply.drain(worker, http)
-        seq = submission.sequences[0]
-        message = reply.answer.message(seq.text.text)
-        reason, hit = stop_reason(seq.finish_reason, bool(message.get("tool_calls")), seq.text.stop_hit)
-        return {"id": _message_id(), "type": "message", "role": "assistant", "model": body.model, "content": content_blocks(message),
-                "stop_reason": reason, "stop_sequence": hit, "usage": message_usage(submission.sequences)}
+        async with serving.using(body.model) as served:
+            chat, inputs = await asyncio.to_thread(translated, body, serving.engine(served))
+            submission = await serving.submit(served, inputs.prompts, inputs.params, chat.priority)
+            reply = serving.reply(served, submission, "chat.completion", model=chat.model, answer=inputs.answer)
+            if body.stream:
+                return serving.stream(served, _events(reply, served.worker, body.model))
+            await reply.drain(served.worker, http)
+            seq = submission.sequences[0]
+            message = reply.answer.message(seq.text.text)
+            reason, hit = stop_reason(seq.finish_reason, bool(message.get("tool_calls")), seq.text.stop_hit)
+            return {"id": _message_id(), "type": "message", "role": "assistant", "model": body.model,
+                    "content": content_blocks(message), "stop_reason": reason, "stop_sequence": hit,
+                    "usage": message_usage(submission.sequences)}
 
     @router.post("/v1/messages/count_tokens", responses=errors(400, 401, 404, 503, body=ErrorBody))
     async def count_tokens(body: CountTokensRequest) -> dict:
-        _, inputs = await asyncio.to_thread(translated, body)
-        return {"input_tokens": len(inputs.prompts[0])}
+        async with serving.using(body.model) as served:
+            _, inputs = await asyncio.to_thread(translated, body, serving.engine(served))
+            return {"input_tokens": len(inputs.prompts[0])}
 
     return router
 

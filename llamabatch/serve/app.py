@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from importlib.metadata import version
@@ -20,65 +19,83 @@ from fastapi import Depends, FastAPI, HTTPException, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import BatchEngine, SamplingParams
+from ..catalog import Catalog
+from ..engine import BatchEngine
 from ..embeddings_format import (
     EmbeddingRequest, RerankRequest, embedding_tokens, embeddings_body, rerank_body, rerank_tokens,
 )
 from ..engine.embedding import Pooling
-from ..errors import DecodeError, EngineBroken, LlamabatchError
+from ..errors import LlamabatchError
 from ..openai_format import (
-    ChatRequest, CompletionRequest, check_base_model, engine_inputs, error_body, failure, refusal_status,
+    ChatRequest, CompletionRequest, check_base_model, engine_inputs, error_body, refusal_status,
     request_params, validation_message,
 )
 from .anthropic_api import anthropic_routes, error_body as anthropic_error_body
 from .batch_api import batch_routes, resume_batches
 from .metrics import Metrics
-from .store import Store
-from .openai_api import BatchRequest, Reply
+from .models import ModelPool, Served
+from .openai_api import BatchRequest
+from .requests import Serving, http_error as request_error
 from .responses_api import responses_routes
+from .store import Store
 from .tokenizer_api import tokenizer_routes
-from .worker import EngineUnavailable, EngineWorker, PoolingSubmission, QueueFull, Submission
+from .worker import EngineWorker
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    engine: dict  # BatchEngine keyword arguments (model, n_parallel, n_ctx, ...)
+    engine: dict  # BatchEngine keyword arguments (model, n_parallel, n_ctx, ...) of the model served (the first, with several)
     api_key: str | None = None
-    max_queue: int = 256  # sequences (and embedding requests) waiting before requests get 429
+    max_queue: int = 256  # sequences (and embedding requests) waiting before requests get 429, per model
     request_timeout: float = 600.0  # seconds until a request is cancelled and answered 504
     pooling: Pooling | None = None  # /v1/embeddings: the GGUF's pooling, else mean, unless set
     data_dir: Path | None = None  # files and batches (OpenAI's Batch API); None: no batch API
     max_upload: int = 200 << 20  # bytes a file upload may have (413 beyond)
     reasoning_budget: int = -1  # a chat request's thought in tokens at most, unless it says (-1: no limit, 0: no thinking)
+    # Several models (serve.models): each one's BatchEngine keyword arguments by name, `engine`'s
+    # among them; loaded on demand, within these limits.
+    models: dict[str, dict] = field(default_factory=dict)
+    max_loaded: int | None = None
+    memory: int | None = None  # bytes the loaded models share
+    idle_unload: float | None = None  # seconds
+
+    def served(self) -> dict[str, dict]:
+        """Every model's engine settings by name, the default first."""
+        return self.models or {Catalog.load(self.engine.get("catalog")).resolve(self.engine.get("model")).name: self.engine}
 
 # -- the app -----------------------------------------------------------------------------
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
-    metrics = Metrics()
-    worker = EngineWorker(lambda: BatchEngine(**settings.engine), settings.max_queue, metrics.observer())
-    metrics.watch(worker)
+    def worker_for(served: Served) -> EngineWorker:
+        worker = EngineWorker(lambda: BatchEngine(**served.settings), settings.max_queue, metrics.observer(served.name))
+        metrics.watch(served.name, worker)
+        return worker
 
+    models = ModelPool(settings.served(), worker_for, max_loaded=settings.max_loaded, memory=settings.memory,
+                       idle_unload=settings.idle_unload)
+    metrics = Metrics(models.workers)
+    serving = Serving(models, metrics, settings.request_timeout)
     store = Store(settings.data_dir) if settings.data_dir is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        worker.start()  # loads the model in its thread: /health says 503 until then
-        if store is not None:  # batches a stopped server left unfinished resume once the model is in
-            asyncio.get_running_loop().run_in_executor(None, _resume_when_loaded, store, worker)
+        models.start()  # one model loads now, in its thread: /health says 503 until then
+        if store is not None:  # batches a stopped server left unfinished resume once their model is in
+            asyncio.ensure_future(resume_batches(store, serving))
         yield
-        worker.stop()
+        await models.stop()
         if store is not None:
             store.close()
 
     app = FastAPI(title="llamabatch", version=version("llamabatch"), lifespan=lifespan)
-    app.state.worker = worker  # a Ray Serve replica starts and stops it itself (no lifespan there)
+    app.state.models = models  # a Ray Serve replica starts and stops them itself (no lifespan there)
     authorized = _authorization(settings.api_key)
-    app.openapi = lambda: _openapi(app, worker)
+    app.openapi = lambda: _openapi(app, models)
 
     @app.exception_handler(StarletteHTTPException)  # FastAPI's own too: a body that is not JSON, say
     async def http_error(request, exc: StarletteHTTPException):
@@ -95,10 +112,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.get("/health", responses=_errors(503))
     async def health() -> dict:
-        try:
-            _engine(worker)
-        except HTTPException as e:
-            return _error(e.status_code, str(e.detail))
+        if not models.several:  # one model: healthy once it serves
+            try:
+                serving.engine(models.models[models.default])
+            except HTTPException as e:
+                return _error(e.status_code, str(e.detail))
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {}}}})
@@ -106,20 +124,45 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)], responses=_errors(401, 503))
-    async def models() -> dict:
-        engine = _engine(worker)
-        card = {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "llamabatch",
-                "max_model_len": engine.ctx.n_ctx_seq}
-        # vLLM's way: each adapter is a model of its own, its parent the base model
-        adapters = [{**card, "id": a.name, "parent": engine.model_name, "root": str(a.path)} for a in engine.adapters.info]
-        return {"object": "list", "data": [card, *adapters]}
+    async def list_models() -> dict:
+        if not models.several:
+            serving.engine(models.models[models.default])  # 503 until it has loaded
+        cards = []
+        for served in models.models.values():
+            engine = served.worker.engine if served.worker is not None else None
+            status = {"value": served.state, **({"load_s": round(served.load_seconds, 3)} if served.loads else {}),
+                      **({"failed": True, "error": served.error} if served.error else {})}
+            card = {"id": served.name, "object": "model", "created": 0, "owned_by": "llamabatch", "status": status}
+            if engine is not None:
+                card["max_model_len"] = engine.ctx.n_ctx_seq
+                card["memory_bytes"] = engine.model.size_bytes + engine.ctx.kv_bytes
+                # vLLM's way: each adapter is a model of its own, its parent the base model
+                cards += [card, *({**card, "id": a.name, "parent": served.name, "root": str(a.path)} for a in engine.adapters.info)]
+            else:
+                cards.append(card)
+        return {"object": "list", "data": cards}
+
+    @app.post("/models/load", dependencies=[Depends(authorized)], responses=_errors(400, 401, 404, 503, 504))
+    async def load_model(body: ModelAction) -> dict:
+        """llama-server's router route: load a model now (it stays until idle or made room for)."""
+        async with serving.using(body.model):
+            return {"success": True}
+
+    @app.post("/models/unload", dependencies=[Depends(authorized)], responses=_errors(400, 401, 404, 409))
+    async def unload_model(body: ModelAction) -> dict:
+        try:
+            await models.unload(models.resolve(body.model))
+        except LlamabatchError as e:
+            raise request_error(e) from None
+        return {"success": True}
 
     @app.get("/lora-adapters", dependencies=[Depends(authorized)], responses=_errors(401, 503))
-    async def lora_adapters() -> list[dict]:
+    async def lora_adapters(model: str | None = None) -> list[dict]:
         """llama-server's listing: the ids a request's `lora` field names, with the default scales."""
-        engine = _engine(worker)
-        default = dict(engine.adapters.default)
-        return [{"id": a.id, "name": a.name, "path": str(a.path), "scale": default.get(a.id, 0.0)} for a in engine.adapters.info]
+        async with serving.using(model) as served:
+            engine = serving.engine(served)
+            default = dict(engine.adapters.default)
+            return [{"id": a.id, "name": a.name, "path": str(a.path), "scale": default.get(a.id, 0.0)} for a in engine.adapters.info]
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)], responses=_GENERATION)
     async def completions(body: CompletionRequest, http: HttpRequest):
@@ -130,65 +173,60 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return await answer(body, "chat.completion", http)
 
     async def answer(body: CompletionRequest | ChatRequest, kind: str, http: HttpRequest):
-        engine = _engine(worker)
-        try:  # a chat template rendered, and tokenized, on a thread of its own: the event loop serves the streams
-            inputs = await asyncio.to_thread(engine_inputs, body, engine, settings.reasoning_budget)
-        except LlamabatchError as e:
-            raise HTTPException(refusal_status(e), str(e)) from None
-        submission = await _submit(worker, inputs.prompts, inputs.params, metrics, settings.request_timeout, body.priority)
-        reply = Reply(submission, engine, kind, settings.request_timeout, metrics, body.shown(), body.model, inputs.answer)
-        if body.stream:
-            chunks = reply.chat_chunks(worker) if kind == "chat.completion" else reply.completion_chunks(worker)
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        return await reply.whole(worker, http)
+        async with serving.using(body.model) as served:
+            engine, worker = serving.engine(served), served.worker
+            try:  # a chat template rendered, and tokenized, on a thread of its own: the event loop serves the streams
+                inputs = await asyncio.to_thread(engine_inputs, body, engine, settings.reasoning_budget)
+            except LlamabatchError as e:
+                raise HTTPException(refusal_status(e), str(e)) from None
+            submission = await serving.submit(served, inputs.prompts, inputs.params, body.priority)
+            reply = serving.reply(served, submission, kind, body.shown(), body.model, inputs.answer)
+            if body.stream:
+                return serving.stream(served, reply.chat_chunks(worker) if kind == "chat.completion" else reply.completion_chunks(worker))
+            return await reply.whole(worker, http)
 
     @app.post("/v1/batch/completions", dependencies=[Depends(authorized)], responses=_errors(400, 401, 404, 429, 500, 503, 504))
     async def batch_completions(body: BatchRequest, http: HttpRequest) -> dict:
-        try:
-            params = request_params(body, _engine(worker))
-        except LlamabatchError as e:
-            raise HTTPException(refusal_status(e), str(e)) from None
-        submission = await _submit(worker, body.prompts, params, metrics, settings.request_timeout, body.priority)
-        reply = Reply(submission, _engine(worker), "batch.completion", settings.request_timeout, metrics, model=body.model)
-        return await reply.batch(worker, http)
+        async with serving.using(body.model) as served:
+            try:
+                params = request_params(body, serving.engine(served))
+            except LlamabatchError as e:
+                raise HTTPException(refusal_status(e), str(e)) from None
+            submission = await serving.submit(served, body.prompts, params, body.priority)
+            reply = serving.reply(served, submission, "batch.completion", model=body.model)
+            return await reply.batch(served.worker, http)
 
     @app.post("/v1/embeddings", dependencies=[Depends(authorized)], responses=_errors(400, 401, 404, 429, 500, 503, 504))
     async def embeddings(body: EmbeddingRequest) -> dict:
-        _served(body.model, worker)
-        pooling = settings.pooling
-        rows, n_tokens = await _pool(worker, lambda engine: embedding_tokens(engine, body, pooling), pooling, settings.request_timeout)
-        try:
-            return embeddings_body(rows, body, _engine(worker).model_name, n_tokens)
-        except LlamabatchError as e:  # dimensions beyond the model's width
-            raise HTTPException(400, str(e)) from None
+        async with serving.using(body.model) as served:
+            _check_base_model(body.model, serving.engine(served))
+            pooling = settings.pooling
+            rows, n_tokens = await serving.pool(served, lambda engine: embedding_tokens(engine, body, pooling), pooling)
+            try:
+                return embeddings_body(rows, body, served.name, n_tokens)
+            except LlamabatchError as e:  # dimensions beyond the model's width
+                raise HTTPException(400, str(e)) from None
 
     @app.post("/v1/rerank", dependencies=[Depends(authorized)], responses=_errors(400, 401, 404, 429, 500, 503, 504))
     @app.post("/rerank", dependencies=[Depends(authorized)], include_in_schema=False)
     async def rerank(body: RerankRequest) -> dict:
-        _served(body.model, worker)
-        rows, n_tokens = await _pool(worker, lambda engine: rerank_tokens(engine, body), Pooling.RANK, settings.request_timeout)
-        return rerank_body([row[0] for row in rows], body, _engine(worker).model_name, n_tokens)
+        async with serving.using(body.model) as served:
+            _check_base_model(body.model, serving.engine(served))
+            rows, n_tokens = await serving.pool(served, lambda engine: rerank_tokens(engine, body), Pooling.RANK)
+            return rerank_body([row[0] for row in rows], body, served.name, n_tokens)
 
-    app.include_router(tokenizer_routes(lambda: _engine(worker), authorized, _errors))
-
-    async def submit(prompts: list, params: SamplingParams, priority: int) -> Submission:
-        return await _submit(worker, prompts, params, metrics, settings.request_timeout, priority)
-
-    def make_reply(submission: Submission, model: str | None, answer) -> Reply:
-        return Reply(submission, _engine(worker), "chat.completion", settings.request_timeout, metrics, model=model, answer=answer)
-
-    app.include_router(anthropic_routes(worker, lambda: _engine(worker), submit, make_reply, authorized, _errors, settings.reasoning_budget))
-    app.include_router(responses_routes(worker, lambda: _engine(worker), submit, make_reply, authorized, _errors, settings.reasoning_budget,
-                                        store))
+    app.include_router(tokenizer_routes(serving, authorized, _errors))
+    app.include_router(anthropic_routes(serving, authorized, _errors, settings.reasoning_budget))
+    app.include_router(responses_routes(serving, authorized, _errors, settings.reasoning_budget, store))
     if store is not None:
-        app.include_router(batch_routes(store, worker, authorized, _errors, settings.max_upload))
+        app.include_router(batch_routes(store, serving, authorized, _errors, settings.max_upload))
     return app
 
 
-def _resume_when_loaded(store: Store, worker: EngineWorker) -> None:
-    worker.ready.wait()
-    if worker.engine is not None:
-        resume_batches(store, worker)
+class ModelAction(BaseModel):
+    """POST /models/load and /models/unload (llama-server's router shape)."""
+
+    model: str
 
 
 # -- the OpenAPI document: every answer a route can give -----------------------------------
@@ -208,11 +246,12 @@ class ErrorBody(BaseModel):
 _WHY = {
     400: "Invalid JSON, fields or prompt, or more sequences than --max-queue (OpenAI error body)",
     401: "Missing or wrong API key (only with --api-key)",
-    404: "Not found: a model that is neither the served one nor one of its adapters, or a file or batch id",
+    404: "Not found: a model that is neither a served one nor one of their adapters, or a file or batch id",
+    409: "The model has requests in flight: it unloads when they are done",
     413: "The upload is larger than --max-upload-mb",
     429: "The queue is full (--max-queue); retry after Retry-After seconds",
     500: "The engine failed while generating the answer (the message says how)",
-    503: "The model is loading, failed to load, or the engine has stopped",
+    503: "The model is loading, failed to load (or has no room to), or its engine has stopped",
     504: "The request ran longer than --request-timeout",
 }
 
@@ -230,9 +269,10 @@ _GENERATION = {
 }
 
 
-def _openapi(app: FastAPI, worker: EngineWorker) -> dict:
+def _openapi(app: FastAPI, models: ModelPool) -> dict:
     """FastAPI's document, with its default 422 answers removed (invalid requests get 400 here)
-    and the token-id bounds of the served model written in once it has loaded."""
+    and the token-id bounds of the served model written in once it has loaded (with several
+    models, bounds differ by model: none are written)."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -240,9 +280,10 @@ def _openapi(app: FastAPI, worker: EngineWorker) -> dict:
         operation["responses"].pop("422", None)
     for unused in ("HTTPValidationError", "ValidationError"):
         doc.get("components", {}).get("schemas", {}).pop(unused, None)
-    engine = worker.engine
+    worker = models.models[models.default].worker
+    engine = worker.engine if worker is not None and not models.several else None
     _bound_token_ids(doc, engine.vocab.n_vocab - 1 if engine else None, engine.ctx.n_ctx_seq if engine else None)
-    if engine is not None:  # before that the bounds are unknown: build it again next time
+    if engine is not None or models.several:  # before the model loads the bounds are unknown: build it again next time
         app.openapi_schema = doc
     return doc
 
@@ -275,76 +316,12 @@ def _authorization(api_key: str | None):
     return check
 
 
-def _engine(worker: EngineWorker) -> BatchEngine:
-    """The serving engine, or 503 with the reason there is none."""
-    if worker.load_error is not None:
-        raise HTTPException(503, f"the model failed to load: {worker.load_error}")
-    if worker.broken is not None:
-        raise HTTPException(503, worker.broken)
-    if worker.engine is None:
-        raise HTTPException(503, "the model is loading")
-    return worker.engine
-
-
-def _served(model: str | None, worker: EngineWorker) -> None:
+def _check_base_model(model: str | None, engine: BatchEngine) -> None:
     """404 for a model not served here, 400 for an adapter's name where adapters do not apply."""
     try:
-        check_base_model(model, _engine(worker))
+        check_base_model(model, engine)
     except LlamabatchError as e:
         raise HTTPException(refusal_status(e), str(e)) from None
-
-
-async def _submit(
-    worker: EngineWorker, prompts: list, params: SamplingParams, metrics: Metrics, timeout: float, priority: int = 0,
-) -> Submission:
-    """Hand the prompts to the engine and wait until it has taken them (within the request's
-    timeout). 429 when the queue is full for now, 400 when the request can never run (a prompt
-    refused, more sequences than any queue takes), 503 when the engine has stopped."""
-    _engine(worker)
-    submission = Submission(loop=asyncio.get_running_loop(), priority=priority)
-    try:
-        worker.submit(submission, prompts, [params] * len(prompts))
-        await asyncio.wait_for(submission.submitted, timeout=max(0.0, submission.t_start + timeout - time.perf_counter()))
-    except QueueFull as e:
-        metrics.failed.inc()
-        raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
-    except EngineUnavailable as e:
-        metrics.failed.inc()
-        raise HTTPException(503, str(e)) from None
-    except LlamabatchError as e:  # TooLarge; a chat template the model cannot render
-        metrics.failed.inc()
-        raise HTTPException(400, str(e)) from None
-    except asyncio.TimeoutError:
-        worker.cancel(submission)  # queued behind the take, should it still come
-        metrics.failed.inc()
-        raise HTTPException(504, f"the engine did not take the request within {timeout:g} s") from None
-    verdict = failure(submission.sequences)  # prompts refused at once: empty, too long, a bad constraint
-    if verdict is not None:
-        worker.cancel(submission)
-        metrics.failed.inc()
-        raise HTTPException(verdict.status, verdict.message)
-    return submission
-
-
-async def _pool(worker: EngineWorker, tokens, pooling: Pooling | None, timeout: float):
-    """Texts (or pairs) pooled by the worker beside the running batch: (rows, tokens). 400 for an
-    input or model that cannot, 500 when the decode failed, 429, 503 and 504 as for generation."""
-    _engine(worker)
-    loop = asyncio.get_running_loop()
-    submission = PoolingSubmission(loop, tokens, pooling, loop.create_future())
-    try:
-        worker.pool(submission)
-        return await asyncio.wait_for(submission.done, timeout)
-    except QueueFull as e:
-        raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
-    except EngineUnavailable as e:
-        raise HTTPException(503, str(e)) from None
-    except (DecodeError, EngineBroken) as e:
-        raise HTTPException(500, str(e)) from None
-    except LlamabatchError as e:
-        raise HTTPException(refusal_status(e), str(e)) from None
-    except asyncio.TimeoutError:
-        raise HTTPException(504, f"the embeddings took longer than {timeout:g} s") from None
 
 
 def _error(status: int, message: str, kind: str | None = None, headers: dict | None = None, anthropic: bool = False) -> JSONResponse:

@@ -18,6 +18,8 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from ..errors import LlamabatchError
 from .batch_runs import BATCH_ENDPOINTS, batch_error, validated_run
 from .store import NotFound, Store, batch_object, page
+from .models import ModelPool, Served
+from .requests import Serving
 from .worker import EngineWorker
 
 MAX_FIELD_BYTES = 1024  # form fields beside the file (purpose) are short
@@ -117,9 +119,11 @@ class UploadForm(BaseModel):
     purpose: Literal["batch"]
 
 
-def batch_routes(store: Store, worker: EngineWorker, authorized: Callable, errors: Callable, max_upload: int) -> APIRouter:
+def batch_routes(store: Store, serving: Serving, authorized: Callable, errors: Callable, max_upload: int) -> APIRouter:
     router = APIRouter(dependencies=[Depends(authorized)])
-    model = lambda: worker.engine.model_name if worker.engine else None  # noqa: E731
+
+    def model(row: dict) -> str:
+        return batch_model(store, serving.models, row)
 
     @router.post(
         "/v1/files", response_model=FileObject, responses=errors(400, 401, 413),
@@ -167,26 +171,29 @@ def batch_routes(store: Store, worker: EngineWorker, authorized: Callable, error
         source = _found(lambda: store.file(body.input_file_id))
         if source.purpose != "batch":
             raise HTTPException(400, f"file {source.id} has purpose {source.purpose!r}: a batch reads a file of purpose 'batch'")
-        if worker.engine is None or worker.broken is not None:
-            raise HTTPException(503, worker.broken or "the model is loading")
+        served = await serving.acquire(await asyncio.to_thread(_first_model, source.path))  # loaded, and held until the run is queued
         row = store.add_batch(source.id, body.endpoint, body.metadata)
-        asyncio.get_running_loop().run_in_executor(None, start_batch, store, worker, row)
-        return batch_object(row, model())
+        asyncio.ensure_future(_start_held(store, serving, served, row))
+        return batch_object(row, served.name)
 
     @router.get("/v1/batches/{batch_id}", response_model=BatchObject, responses=errors(401, 404))
     async def get_batch(batch_id: str) -> dict:
-        return batch_object(_found(lambda: store.batch(batch_id)), model())
+        row = _found(lambda: store.batch(batch_id))
+        return batch_object(row, model(row))
 
     @router.get("/v1/batches", response_model=BatchList, responses=errors(400, 401))
     async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict:
         rows, more = _found(lambda: store.batches(limit, after))
-        return page([batch_object(r, model()) for r in rows], more)
+        return page([batch_object(r, model(r)) for r in rows], more)
 
     @router.post("/v1/batches/{batch_id}/cancel", response_model=BatchObject, responses=errors(400, 401, 404))
     async def cancel_batch(batch_id: str) -> dict:
         row = _found(lambda: store.cancel_batch(batch_id))
-        worker.cancel_batch(batch_id)
-        return batch_object(row, model())
+        name = model(row)
+        served = serving.models.models.get(name)
+        if served is not None and served.worker is not None:  # (a model not loaded runs none of its batches)
+            served.worker.cancel_batch(batch_id)
+        return batch_object(row, name)
 
     return router
 
@@ -203,10 +210,46 @@ def start_batch(store: Store, worker: EngineWorker, row: dict) -> None:
         worker.run_batch(run)
 
 
-def resume_batches(store: Store, worker: EngineWorker) -> None:
-    """At start, once the model has loaded: every batch a stopped (or killed) server left unfinished."""
-    for row in store.unfinished_batches():
-        start_batch(store, worker, row)
+async def _start_held(store: Store, serving: Serving, served: Served, row: dict) -> None:
+    try:
+        await asyncio.to_thread(start_batch, store, served.worker, row)
+    finally:
+        serving.models.release(served)
+
+
+async def resume_batches(store: Store, serving: Serving) -> None:
+    """At start: every batch a stopped (or killed) server left unfinished, on its model (loaded
+    for it); one whose model cannot load stays unfinished, for the next start."""
+    for row in await asyncio.to_thread(store.unfinished_batches):
+        try:
+            served = await serving.models.acquire(batch_model(store, serving.models, row))
+        except LlamabatchError:
+            continue
+        await _start_held(store, serving, served, row)
+
+
+def batch_model(store: Store, models: ModelPool, row: dict) -> str:
+    """The model a batch runs on: the one its first line names (OpenAI's batches hold one
+    model's requests); the server's only model, or its default, when it names none."""
+    if not models.several:
+        return models.default
+    try:
+        name = _first_model(store.file(row["input_file_id"]).path)
+        return models.resolve(name).name
+    except (LlamabatchError, OSError):
+        return models.default
+
+
+def _first_model(path: Path) -> str | None:
+    """The `model` in the body of a batch input's first request, if it reads."""
+    try:
+        with open(path) as f:
+            line = next((text for text in f if text.strip()), "")
+        body = json.loads(line).get("body") if line else None
+        model = body.get("model") if isinstance(body, dict) else None
+        return model if isinstance(model, str) else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _found(call: Callable):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -18,85 +20,103 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 CLASSES = ("interactive", "batch")
 
 
+@dataclass(frozen=True)
+class RequestCounters:
+    """One model's request counters, for the code that answers its requests."""
+
+    finished: object
+    failed: object
+
+
 class Metrics:
+    """Every series is labelled by the model it describes (a server may hold several)."""
+
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, workers: Callable[[], dict[str, EngineWorker]]) -> None:
         self.registry = r = CollectorRegistry()
-        self.running = Gauge("llamabatch_sequences_running", "Sequences holding a slot", ["class"], registry=r)
-        self.queued = Gauge("llamabatch_sequences_queued", "Sequences waiting for a slot", ["class"], registry=r)
-        self.batches = Gauge("llamabatch_batches_in_progress", "Batch API batches being run", registry=r)
-        self.kv_cells = Gauge("llamabatch_kv_cells_used", "KV cells held by running sequences", registry=r)
-        self.finished = Counter("llamabatch_requests_finished", "Requests answered in full", registry=r)
-        self.failed = Counter("llamabatch_requests_failed", "Requests refused, cancelled or timed out", registry=r)
-        self.prompt_tokens = Counter("llamabatch_prompt_tokens", "Prompt tokens of finished sequences", registry=r)
+        m = ["model"]
+        self.running = Gauge("llamabatch_sequences_running", "Sequences holding a slot", [*m, "class"], registry=r)
+        self.queued = Gauge("llamabatch_sequences_queued", "Sequences waiting for a slot", [*m, "class"], registry=r)
+        self.batches = Gauge("llamabatch_batches_in_progress", "Batch API batches being run", m, registry=r)
+        self.kv_cells = Gauge("llamabatch_kv_cells_used", "KV cells held by running sequences", m, registry=r)
+        self.finished = Counter("llamabatch_requests_finished", "Requests answered in full", m, registry=r)
+        self.failed = Counter("llamabatch_requests_failed", "Requests refused, cancelled or timed out", m, registry=r)
+        self.prompt_tokens = Counter("llamabatch_prompt_tokens", "Prompt tokens of finished sequences", m, registry=r)
         self.cached_tokens = Counter(
-            "llamabatch_prompt_tokens_cached", "Prompt tokens of finished sequences taken from a cache, not decoded", registry=r,
+            "llamabatch_prompt_tokens_cached", "Prompt tokens of finished sequences taken from a cache, not decoded", m, registry=r,
         )
-        # Recurrent and hybrid models: the state checkpoints that let a prefix be reused (engine.memory).
-        self.checkpoint_bytes = Gauge("llamabatch_checkpoint_bytes", "Host memory held by state checkpoints", registry=r)
-        self.checkpoints = Gauge("llamabatch_checkpoints", "State checkpoints kept", registry=r)
+        # Recurrent, hybrid and sliding-window models: the state checkpoints that let a prefix be reused (engine.memory).
+        self.checkpoint_bytes = Gauge("llamabatch_checkpoint_bytes", "Host memory held by state checkpoints", m, registry=r)
+        self.checkpoints = Gauge("llamabatch_checkpoints", "State checkpoints kept", m, registry=r)
         self.checkpoint_restores = Gauge(
-            "llamabatch_checkpoint_restores", "Sequences put back to a checkpoint (a reused prefix, rejected drafts)", registry=r,
+            "llamabatch_checkpoint_restores", "Sequences put back to a checkpoint (a reused prefix, rejected drafts)", m, registry=r,
         )
-        self.generated_tokens = Counter("llamabatch_generated_tokens", "Tokens sampled", ["class"], registry=r)
+        self.generated_tokens = Counter("llamabatch_generated_tokens", "Tokens sampled", [*m, "class"], registry=r)
         # Speculative decoding, read from the engine's counters when scraped.
-        self.drafted = Gauge("llamabatch_draft_tokens", "Speculative tokens verified", registry=r)
-        self.accepted = Gauge("llamabatch_draft_tokens_accepted", "Speculative tokens the model agreed with", registry=r)
-        self.tokens_per_decode = Gauge("llamabatch_tokens_per_decode", "Tokens sampled per llama_decode call", registry=r)
+        self.drafted = Gauge("llamabatch_draft_tokens", "Speculative tokens verified", m, registry=r)
+        self.accepted = Gauge("llamabatch_draft_tokens_accepted", "Speculative tokens the model agreed with", m, registry=r)
+        self.tokens_per_decode = Gauge("llamabatch_tokens_per_decode", "Tokens sampled per llama_decode call", m, registry=r)
         self.active = Histogram(
-            "llamabatch_active_sequences_per_decode", "Sequences in each llama_decode call",
+            "llamabatch_active_sequences_per_decode", "Sequences in each llama_decode call", m,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
         )
-        self.step_seconds = Histogram("llamabatch_step_seconds", "Time per engine step", buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_seconds = Histogram("llamabatch_step_seconds", "Time per engine step", m, buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(
-            "llamabatch_time_to_first_token_seconds", "Submission to first token", ["class"], buckets=_LATENCY_BUCKETS, registry=r,
+            "llamabatch_time_to_first_token_seconds", "Submission to first token", [*m, "class"], buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.preempted = Gauge("llamabatch_priority_preemptions", "Sequences preempted for a better priority", registry=r)
+        self.preempted = Gauge("llamabatch_priority_preemptions", "Sequences preempted for a better priority", m, registry=r)
         self.itl = StepHistogram("llamabatch_inter_token_latency_seconds", "Between a sequence's tokens", _LATENCY_BUCKETS, r)
-        self.adapter_switches = Gauge("llamabatch_adapter_switches", "Steps that changed the LoRA adapter set", registry=r)
+        self.adapter_switches = Gauge("llamabatch_adapter_switches", "Steps that changed the LoRA adapter set", m, registry=r)
+        self.registry.register(_EngineInfo(workers))
+        self.registry.register(_PromptCacheMetrics(workers))
 
-    def watch(self, worker: EngineWorker) -> None:
-        """Gauges read the worker's state when scraped."""
+    def watch(self, model: str, worker: EngineWorker) -> None:
+        """The model's gauges read this worker's state when scraped (a model loaded again
+        brings a new worker)."""
         for name in CLASSES:  # each class's series exists from the start, at 0
-            self.running.labels(name).set_function(lambda name=name: worker.running_in(name))
-            self.generated_tokens.labels(name)
-            self.ttft.labels(name)
-        self.queued.labels("interactive").set_function(lambda: worker.queued)  # with requests not yet taken
-        self.queued.labels("batch").set_function(lambda: worker.waiting("batch"))
-        self.batches.set_function(lambda: worker.n_batches)
-        self.kv_cells.set_function(lambda: sum(s.n_past for s in worker.engine.scheduler.running) if worker.engine else 0)
-        stats = lambda: worker.engine.stats if worker.engine else None  # noqa: E731
-        self.drafted.set_function(lambda: stats().draft_tokens if stats() else 0)
-        self.preempted.set_function(lambda: stats().priority_preemptions if stats() else 0)
-        self.accepted.set_function(lambda: stats().draft_accepted if stats() else 0)
-        self.adapter_switches.set_function(lambda: stats().adapter_switches if stats() else 0)
-        memory = lambda: worker.engine.memory if worker.engine else None  # noqa: E731
-        self.checkpoint_bytes.set_function(lambda: memory().checkpoints.bytes if memory() else 0)
-        self.checkpoints.set_function(lambda: memory().checkpoints.count if memory() else 0)
-        self.checkpoint_restores.set_function(lambda: memory().restored if memory() else 0)
-        self.registry.register(_EngineInfo(worker))
-        self.registry.register(_PromptCacheMetrics(worker))
-        self.tokens_per_decode.set_function(
+            self.running.labels(model, name).set_function(lambda name=name: worker.running_in(name))
+            self.generated_tokens.labels(model, name)
+            self.ttft.labels(model, name)
+        self.queued.labels(model, "interactive").set_function(lambda: worker.queued)  # with requests not yet taken
+        self.queued.labels(model, "batch").set_function(lambda: worker.waiting("batch"))
+        self.batches.labels(model).set_function(lambda: worker.n_batches)
+        engine = lambda: worker.engine  # noqa: E731 - None once unloaded
+        self.kv_cells.labels(model).set_function(lambda: sum(s.n_past for s in engine().scheduler.running) if engine() else 0)
+        stats = lambda: engine().stats if engine() else None  # noqa: E731
+        self.drafted.labels(model).set_function(lambda: stats().draft_tokens if stats() else 0)
+        self.preempted.labels(model).set_function(lambda: stats().priority_preemptions if stats() else 0)
+        self.accepted.labels(model).set_function(lambda: stats().draft_accepted if stats() else 0)
+        self.adapter_switches.labels(model).set_function(lambda: stats().adapter_switches if stats() else 0)
+        memory = lambda: engine().memory if engine() else None  # noqa: E731
+        self.checkpoint_bytes.labels(model).set_function(lambda: memory().checkpoints.bytes if memory() else 0)
+        self.checkpoints.labels(model).set_function(lambda: memory().checkpoints.count if memory() else 0)
+        self.checkpoint_restores.labels(model).set_function(lambda: memory().restored if memory() else 0)
+        self.tokens_per_decode.labels(model).set_function(
             lambda: stats().completion_tokens / stats().decode_calls if stats() and stats().decode_calls else 0
         )
+        self.finished.labels(model)
+        self.failed.labels(model)
 
-    def observer(self) -> Observer:
-        return Observer(on_step=self._on_step)
+    def of(self, model: str) -> RequestCounters:
+        return RequestCounters(self.finished.labels(model), self.failed.labels(model))
 
-    def _on_step(self, report: StepReport) -> None:
+    def observer(self, model: str) -> Observer:
+        return Observer(on_step=lambda report: self._on_step(model, report))
+
+    def _on_step(self, model: str, report: StepReport) -> None:
         """Once a step, from the engine's thread: what its tokens add up to."""
         if report.n_sequences:
-            self.active.observe(report.n_sequences)
-            self.step_seconds.observe(report.seconds)
+            self.active.labels(model).observe(report.n_sequences)
+            self.step_seconds.labels(model).observe(report.seconds)
         for name, n in report.tokens.items():
-            self.generated_tokens.labels(name).inc(n)
+            self.generated_tokens.labels(model, name).inc(n)
         for name, seconds in report.first_tokens:
-            self.ttft.labels(name).observe(seconds)
+            self.ttft.labels(model, name).observe(seconds)
         self.itl.observe_many(report.gaps)
         for seq in report.finished:
-            self.prompt_tokens.inc(seq.n_prompt)
-            self.cached_tokens.inc(seq.n_cached)
+            self.prompt_tokens.labels(model).inc(seq.n_prompt)
+            self.cached_tokens.labels(model).inc(seq.n_cached)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -130,52 +150,59 @@ class StepHistogram(Collector):
 
 
 class _EngineInfo(Collector):
-    """llamabatch_engine_info: what the loaded engine runs with (model, KV cache types, flash
-    attention as llama.cpp resolved it, adapters), once it has loaded."""
+    """llamabatch_engine_info: what each loaded engine runs with (model, KV cache types, flash
+    attention as llama.cpp resolved it, adapters)."""
 
-    def __init__(self, worker: EngineWorker) -> None:
-        self.worker = worker
+    def __init__(self, workers: Callable[[], dict[str, EngineWorker]]) -> None:
+        self.workers = workers
 
     def collect(self):
-        engine = self.worker.engine
-        if engine is None:
-            return
-        k, v = engine.ctx.cache_types
-        yield InfoMetricFamily("llamabatch_engine", "The loaded engine's settings", value={
-            "model": engine.model_name, "cache_type_k": k, "cache_type_v": v, "flash_attn": engine.ctx.flash_attn,
-            "parallel": str(engine.config.n_parallel), "adapters": ",".join(a.name for a in engine.adapters.info),
-            "rpc": ",".join(engine.config.rpc), "memory": engine.memory.caps.family.value,
-            "checkpoint_memory": str(engine.config.checkpoint_memory if engine.memory.checkpointing else 0),
-        })
+        family = InfoMetricFamily("llamabatch_engine", "Each loaded engine's settings", labels=["model"])
+        for model, worker in self.workers().items():
+            engine = worker.engine
+            if engine is None:
+                continue
+            k, v = engine.ctx.cache_types
+            family.add_metric([model], {
+                "cache_type_k": k, "cache_type_v": v, "flash_attn": engine.ctx.flash_attn,
+                "parallel": str(engine.config.n_parallel), "adapters": ",".join(a.name for a in engine.adapters.info),
+                "rpc": ",".join(engine.config.rpc), "memory": engine.memory.caps.family.value,
+                "checkpoint_memory": str(engine.config.checkpoint_memory if engine.memory.checkpointing else 0),
+            })
+        yield family
 
 
 class _PromptCacheMetrics(Collector):
-    """The prompt cache's tiers (engine.prompt_cache), labelled by tier, when the engine has one."""
+    """Each loaded engine's prompt cache (engine.prompt_cache), labelled by model and tier."""
 
-    def __init__(self, worker: EngineWorker) -> None:
-        self.worker = worker
+    def __init__(self, workers: Callable[[], dict[str, EngineWorker]]) -> None:
+        self.workers = workers
 
     def collect(self):
-        engine = self.worker.engine
-        cache = engine.prompt_cache if engine is not None else None
-        if cache is None:
-            return
-        stats = cache.stats
-        tiers = {"ram": stats.ram, "disk": stats.disk}
+        caches = {model: w.engine.prompt_cache for model, w in self.workers().items() if w.engine is not None and w.engine.prompt_cache}
+        tiers = ("ram", "disk")
         for name, doc, kind, read in (
             ("hits", "Prompts whose prefix was restored from the tier", CounterMetricFamily, lambda t: t.hits),
             ("evictions", "Entries pushed out of the tier for room", CounterMetricFamily, lambda t: t.evictions),
             ("entries", "Prompts the tier holds", GaugeMetricFamily, lambda t: t.entries),
             ("bytes", "Bytes the tier holds", GaugeMetricFamily, lambda t: t.bytes),
         ):
-            family = kind(f"llamabatch_prompt_cache_{name}", doc, labels=["tier"])
-            for tier, counts in tiers.items():
-                family.add_metric([tier], read(counts))
+            family = kind(f"llamabatch_prompt_cache_{name}", doc, labels=["model", "tier"])
+            for model, cache in caches.items():
+                for tier in tiers:
+                    family.add_metric([model, tier], read(getattr(cache.stats, tier)))
             yield family
-        budget = GaugeMetricFamily("llamabatch_prompt_cache_budget_bytes", "Each tier's budget in bytes", labels=["tier"])
-        budget.add_metric(["ram"], cache.ram_bytes)
-        budget.add_metric(["disk"], cache.disk_bytes)
+        budget = GaugeMetricFamily("llamabatch_prompt_cache_budget_bytes", "Each tier's budget in bytes", labels=["model", "tier"])
+        for name, doc, read in (
+            ("misses", "Admitted prompts no entry gave more than their slot", lambda c: c.stats.misses),
+            ("kept", "Prompts kept as their slot was taken", lambda c: c.stats.kept),
+            ("refused", "Entries removed as unreadable, foreign or refused", lambda c: c.stats.refused),
+        ):
+            family = CounterMetricFamily(f"llamabatch_prompt_cache_{name}", doc, labels=["model"])
+            for model, cache in caches.items():
+                family.add_metric([model], read(cache))
+            yield family
+        for model, cache in caches.items():
+            budget.add_metric([model, "ram"], cache.ram_bytes)
+            budget.add_metric([model, "disk"], cache.disk_bytes)
         yield budget
-        yield CounterMetricFamily("llamabatch_prompt_cache_misses", "Admitted prompts no entry gave more than their slot", value=stats.misses)
-        yield CounterMetricFamily("llamabatch_prompt_cache_kept", "Prompts kept as their slot was taken", value=stats.kept)
-        yield CounterMetricFamily("llamabatch_prompt_cache_refused", "Entries removed as unreadable, foreign or refused", value=stats.refused)

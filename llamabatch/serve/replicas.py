@@ -69,13 +69,13 @@ class EngineReplica:
 
     def __init__(self, settings: ServerSettings) -> None:
         self.app = create_app(settings)
-        self.worker = self.app.state.worker
-        self.worker.start()
+        self.models = self.app.state.models
+        self.models.start()
         self.name = serve.get_replica_context().replica_id.unique_id
 
     def __del__(self) -> None:
         # Ray Serve's shutdown hook for a replica: it deletes the instance when the replica stops.
-        self.worker.stop()
+        self.models.close()
 
     async def forward(self, request: Forwarded) -> AsyncIterator[tuple[int, list] | bytes]:
         """Runs the request through the app: yields (status, headers) first, then body chunks."""

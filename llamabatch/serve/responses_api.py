@@ -14,11 +14,10 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any, Literal, Union
+from collections.abc import AsyncIterator
+from typing import Annotated, Literal, Union
 
 from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
-from fastapi.responses import StreamingResponse
 from pydantic import Field, StrictBool, StrictStr, ValidationError
 
 from ..chat.conversation import Answer
@@ -27,6 +26,7 @@ from ..errors import LlamabatchError
 from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, refusal_status, usage, validation_message
 from .openai_api import Reply
 from .store import NotFound, Store
+from .requests import Serving
 from .worker import EngineWorker
 
 
@@ -237,13 +237,10 @@ def response_object(body: ResponsesRequest, response_id: str, created: float, ou
     return obj
 
 
-def responses_routes(
-    worker: EngineWorker, engine: Callable[[], BatchEngine], submit: Callable, make_reply: Callable[..., Reply],
-    authorized, errors, reasoning_budget: int, store: Store | None,
-) -> APIRouter:
+def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int, store: Store | None) -> APIRouter:
     router = APIRouter(dependencies=[Depends(authorized)])
 
-    def translated(body: ResponsesRequest):
+    def translated(body: ResponsesRequest, engine: BatchEngine):
         try:
             earlier = []
             if body.previous_response_id is not None:
@@ -251,7 +248,7 @@ def responses_routes(
                     raise LlamabatchError("previous_response_id: this server keeps no responses (it has no --data-dir)")
                 earlier = store.response(body.previous_response_id)[1]
             chat = body.chat_request(earlier)
-            return chat, engine_inputs(chat, engine(), reasoning_budget)
+            return chat, engine_inputs(chat, engine, reasoning_budget)
         except NotFound as e:
             raise HTTPException(404, str(e)) from None
         except LlamabatchError as e:
@@ -268,19 +265,20 @@ def responses_routes(
 
     @router.post("/v1/responses", responses=errors(400, 401, 404, 429, 500, 503, 504))
     async def create(body: ResponsesRequest, http: HttpRequest):
-        chat, inputs = await asyncio.to_thread(translated, body)
-        submission = await submit(inputs.prompts, inputs.params, chat.priority)
-        reply = make_reply(submission, chat.model, inputs.answer)
-        response_id, created = _id("resp"), time.time()
-        if body.stream:
-            return StreamingResponse(_events(body, chat, reply, worker, response_id, created, kept), media_type="text/event-stream")
-        await reply.drain(worker, http)
-        seq = submission.sequences[0]
-        message = reply.answer.message(seq.text.text)
-        status = "incomplete" if seq.finish_reason == "length" else "completed"
-        obj = response_object(body, response_id, created, output_items(message), status, submission.sequences)
-        await asyncio.to_thread(kept, body, chat, obj, message)
-        return obj
+        async with serving.using(body.model) as served:
+            chat, inputs = await asyncio.to_thread(translated, body, serving.engine(served))
+            submission = await serving.submit(served, inputs.prompts, inputs.params, chat.priority)
+            reply = serving.reply(served, submission, "chat.completion", model=chat.model, answer=inputs.answer)
+            response_id, created = _id("resp"), time.time()
+            if body.stream:
+                return serving.stream(served, _events(body, chat, reply, served.worker, response_id, created, kept))
+            await reply.drain(served.worker, http)
+            seq = submission.sequences[0]
+            message = reply.answer.message(seq.text.text)
+            status = "incomplete" if seq.finish_reason == "length" else "completed"
+            obj = response_object(body, response_id, created, output_items(message), status, submission.sequences)
+            await asyncio.to_thread(kept, body, chat, obj, message)
+            return obj
 
     @router.get("/v1/responses/{response_id}", responses=errors(401, 404))
     async def get(response_id: str) -> dict:

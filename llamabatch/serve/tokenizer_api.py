@@ -9,9 +9,9 @@ from collections.abc import Callable
 from fastapi import APIRouter, Depends, HTTPException
 from pydantic import BaseModel, Field, StrictBool
 
-from ..engine import BatchEngine
 from ..errors import LlamabatchError
 from ..openai_format import Text, TokenId
+from .requests import Serving
 
 
 class VllmTokenize(BaseModel):
@@ -19,6 +19,7 @@ class VllmTokenize(BaseModel):
 
     prompt: Text
     add_special_tokens: StrictBool = True
+    model: str | None = None
 
 
 class LlamaServerTokenize(BaseModel):
@@ -26,6 +27,7 @@ class LlamaServerTokenize(BaseModel):
 
     content: Text
     add_special: StrictBool = False
+    model: str | None = None
 
 
 class TokenizeResponse(BaseModel):
@@ -36,6 +38,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     tokens: list[TokenId] = Field(max_length=1 << 20)
+    model: str | None = None
 
 
 class DetokenizeResponse(BaseModel):
@@ -43,33 +46,37 @@ class DetokenizeResponse(BaseModel):
     content: str  # llama-server's
 
 
-def tokenizer_routes(engine: Callable[[], BatchEngine], authorized, errors: Callable[..., dict]) -> APIRouter:
-    """Routes that read the engine's vocabulary (read-only, so safe beside the engine thread)."""
+def tokenizer_routes(serving: Serving, authorized, errors: Callable[..., dict]) -> APIRouter:
+    """Routes that read a model's vocabulary (read-only, so safe beside the engine thread)."""
     router = APIRouter(dependencies=[Depends(authorized)])
 
-    @router.post("/tokenize", responses=errors(400, 401, 503))
+    @router.post("/tokenize", responses=errors(400, 401, 404, 503))
     async def tokenize(body: VllmTokenize | LlamaServerTokenize) -> TokenizeResponse:
         text, special = (body.prompt, body.add_special_tokens) if isinstance(body, VllmTokenize) else (body.content, body.add_special)
-        current = engine()
-        tokens = current.vocab.tokenize(text, add_special=special)
-        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=current.ctx.n_ctx_seq)
+        async with serving.using(body.model) as served:
+            current = serving.engine(served)
+            tokens = current.vocab.tokenize(text, add_special=special)
+            return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=current.ctx.n_ctx_seq)
 
-    @router.post("/detokenize", responses=errors(400, 401, 503))
+    @router.post("/detokenize", responses=errors(400, 401, 404, 503))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        try:
-            text = engine().vocab.detokenize(body.tokens)
-        except LlamabatchError as e:
-            raise HTTPException(400, str(e)) from None
-        return DetokenizeResponse(prompt=text, content=text)
+        async with serving.using(body.model) as served:
+            try:
+                text = serving.engine(served).vocab.detokenize(body.tokens)
+            except LlamabatchError as e:
+                raise HTTPException(400, str(e)) from None
+            return DetokenizeResponse(prompt=text, content=text)
 
-    @router.get("/tokenizer_info", responses=errors(401, 503))
-    async def tokenizer_info() -> dict:
-        current = engine()
-        vocab = current.vocab
-        return {
-            "tokenizer_class": "llama.cpp", "eos_token": vocab.text(vocab.eos), "bos_token": vocab.text(vocab.bos),
-            "pad_token": vocab.text(vocab.pad if vocab.pad >= 0 else vocab.eos), "add_bos_token": vocab.add_bos, "model_max_length": current.ctx.n_ctx_seq,
-            "chat_template": current.chat.template.source if current.chat else None, "vocab_size": vocab.n_vocab,
-        }
+    @router.get("/tokenizer_info", responses=errors(401, 404, 503))
+    async def tokenizer_info(model: str | None = None) -> dict:
+        async with serving.using(model) as served:
+            current = serving.engine(served)
+            vocab = current.vocab
+            return {
+                "tokenizer_class": "llama.cpp", "eos_token": vocab.text(vocab.eos), "bos_token": vocab.text(vocab.bos),
+                "pad_token": vocab.text(vocab.pad if vocab.pad >= 0 else vocab.eos), "add_bos_token": vocab.add_bos,
+                "model_max_length": current.ctx.n_ctx_seq,
+                "chat_template": current.chat.template.source if current.chat else None, "vocab_size": vocab.n_vocab,
+            }
 
     return router

@@ -118,7 +118,8 @@ class EngineWorker:
         for run in self._batches:  # synced, and left in progress: the next start resumes them
             run.close()
         if self.engine is not None:
-            self.engine.close()
+            engine, self.engine = self.engine, None  # what reads it from now on sees no engine, not a closed one
+            engine.close()
 
     @property
     def queued(self) -> int:
@@ -131,6 +132,13 @@ class EngineWorker:
 
     def running_in(self, priority_class: str) -> int:
         return sum(s.priority_class == priority_class for s in list(self.engine.scheduler.running)) if self.engine else 0
+
+    @property
+    def busy(self) -> bool:
+        """Work in flight: requests not yet taken, sequences, embeddings or batches (read from
+        another thread: a snapshot, which a request's lease covers until its work is taken)."""
+        engine = self.engine
+        return bool(self._pending or not self._inbox.empty() or self._pooling or self._batches or (engine is not None and engine.has_work))
 
     @property
     def n_batches(self) -> int:

@@ -1,0 +1,143 @@
+"""What every route does with the model a request names: hold it (loading it first if need be),
+reach its engine, hand it prompts or texts, and let it go once the answer is sent.
+
+Refusals map to one status each, on every route: a model not served here 404, a model that is
+loading, failed to load or has stopped 503, a full queue 429, a request the engine cannot take
+400, one that outlives --request-timeout 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import HTTPException
+from fastapi.responses import StreamingResponse
+
+from ..chat.conversation import Answer
+from ..engine import BatchEngine, SamplingParams
+from ..engine.embedding import Pooling
+from ..errors import DecodeError, EngineBroken, LlamabatchError
+from ..openai_format import Shown, failure, refusal_status
+from .metrics import Metrics
+from .models import ModelBusy, ModelPool, ModelUnavailable, Served
+from .openai_api import Reply
+from .worker import EngineUnavailable, EngineWorker, PoolingSubmission, QueueFull, Submission
+
+
+class Serving:
+    def __init__(self, models: ModelPool, metrics: Metrics, timeout: float) -> None:
+        self.models, self.metrics, self.timeout = models, metrics, timeout
+
+    # -- the model a request names ---------------------------------------------------------
+
+    async def acquire(self, name: str | None) -> Served:
+        """The model, loaded and held until release() (a load counts against the request's timeout)."""
+        try:
+            served = await asyncio.wait_for(self.models.acquire(name), self.timeout)
+        except LlamabatchError as e:
+            raise http_error(e) from None
+        except asyncio.TimeoutError:
+            raise HTTPException(504, f"model {name} did not load within {self.timeout:g} s") from None
+        try:
+            self.engine(served)
+        except HTTPException:
+            self.models.release(served)
+            raise
+        return served
+
+    @asynccontextmanager
+    async def using(self, name: str | None) -> AsyncIterator[Served]:
+        """The model, held until the block ends (a stream it returns holds it on: stream())."""
+        served = await self.acquire(name)
+        try:
+            yield served
+        finally:
+            self.models.release(served)
+
+    def stream(self, served: Served, chunks: AsyncIterator[str]) -> StreamingResponse:
+        """Server-Sent Events, holding the model until the stream ends or its client leaves."""
+        self.models.hold(served)
+        return StreamingResponse(self.models.held(chunks, served), media_type="text/event-stream")
+
+    @staticmethod
+    def engine(served: Served) -> BatchEngine:
+        """The model's engine, or 503 with the reason there is none."""
+        worker = served.worker
+        if worker is None:
+            raise HTTPException(503, f"model {served.name} is not loaded" + (f": {served.error}" if served.error else ""))
+        if worker.load_error is not None:
+            raise HTTPException(503, f"the model failed to load: {worker.load_error}")
+        if worker.broken is not None:
+            raise HTTPException(503, worker.broken)
+        if worker.engine is None:
+            raise HTTPException(503, "the model is loading")
+        return worker.engine
+
+    # -- its work --------------------------------------------------------------------------
+
+    async def submit(self, served: Served, prompts: list, params: SamplingParams, priority: int = 0) -> Submission:
+        """Hand the prompts to the engine and wait until it has taken them (within the request's
+        timeout). 429 when the queue is full for now, 400 when the request can never run (a prompt
+        refused, more sequences than any queue takes), 503 when the engine has stopped."""
+        worker, failed = served.worker, self.metrics.of(served.name).failed
+        self.engine(served)
+        submission = Submission(loop=asyncio.get_running_loop(), priority=priority)
+        try:
+            worker.submit(submission, prompts, [params] * len(prompts))
+            await asyncio.wait_for(submission.submitted, timeout=max(0.0, submission.t_start + self.timeout - time.perf_counter()))
+        except QueueFull as e:
+            failed.inc()
+            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
+        except EngineUnavailable as e:
+            failed.inc()
+            raise HTTPException(503, str(e)) from None
+        except LlamabatchError as e:  # TooLarge; a chat template the model cannot render
+            failed.inc()
+            raise HTTPException(400, str(e)) from None
+        except asyncio.TimeoutError:
+            worker.cancel(submission)  # queued behind the take, should it still come
+            failed.inc()
+            raise HTTPException(504, f"the engine did not take the request within {self.timeout:g} s") from None
+        verdict = failure(submission.sequences)  # prompts refused at once: empty, too long, a bad constraint
+        if verdict is not None:
+            worker.cancel(submission)
+            failed.inc()
+            raise HTTPException(verdict.status, verdict.message)
+        return submission
+
+    def reply(self, served: Served, submission: Submission, kind: str, shown: Shown = Shown(), model: str | None = None,
+              answer: Answer | None = None) -> Reply:
+        return Reply(submission, self.engine(served), kind, self.timeout, self.metrics.of(served.name), shown, model, answer)
+
+    async def pool(self, served: Served, tokens, pooling: Pooling | None):
+        """Texts (or pairs) pooled by the worker beside the running batch: (rows, tokens). 400 for an
+        input or model that cannot, 500 when the decode failed, 429, 503 and 504 as for generation."""
+        worker: EngineWorker = served.worker
+        self.engine(served)
+        loop = asyncio.get_running_loop()
+        submission = PoolingSubmission(loop, tokens, pooling, loop.create_future())
+        try:
+            worker.pool(submission)
+            return await asyncio.wait_for(submission.done, self.timeout)
+        except QueueFull as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
+        except EngineUnavailable as e:
+            raise HTTPException(503, str(e)) from None
+        except (DecodeError, EngineBroken) as e:
+            raise HTTPException(500, str(e)) from None
+        except LlamabatchError as e:
+            raise HTTPException(refusal_status(e), str(e)) from None
+        except asyncio.TimeoutError:
+            raise HTTPException(504, f"the embeddings took longer than {self.timeout:g} s") from None
+
+
+def http_error(error: LlamabatchError) -> HTTPException:
+    """A model-level refusal as its HTTP status."""
+    if isinstance(error, ModelUnavailable):
+        return HTTPException(503, str(error))
+    if isinstance(error, ModelBusy):
+        return HTTPException(409, str(error))
+    return HTTPException(refusal_status(error), str(error))
