@@ -50,59 +50,19 @@ class BatchEngine:
     ...     results = engine.generate(["The capital of France is", "def fib(n):"])
     """
 
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        catalog: str | Path | None = None,
-        n_parallel: int | None = None,
-        n_ctx: int | None = None,
-        n_batch: int | None = None,
-        n_ubatch: int | None = None,
-        n_threads: int | None = None,
-        gpu_layers: int | None = None,
-        kv_unified: bool | None = None,
-        share_prefixes: bool | None = None,
-        deterministic: bool | None = None,
-        speculative: str | None = None,
-        draft_model: str | Path | None = None,
-        draft_max: int | None = None,
-        checkpoint_every: int | None = None,
-        checkpoint_memory: int | str | None = None,
-        embed_pack: int | None = None,
-        cache_ram: int | str | None = None,
-        cache_dir: str | Path | None = None,
-        cache_disk: int | str | None = None,
-        scheduling: str | None = None,
-        lora: Iterable[str | Path] | None = None,
-        cache_type_k: str | None = None,
-        cache_type_v: str | None = None,
-        flash_attn: str | None = None,
-        rpc: str | Iterable[str] | None = None,
-        tensor_split: str | Iterable[float] | None = None,
-        rpc_timeout: float | None = None,
-        chat: bool | None = None,
-        chat_template: str | Path | None = None,
-        verbose: bool = False,
-    ) -> None:
+    def __init__(self, model: str | Path | None = None, *, catalog: str | Path | None = None, **settings) -> None:
+        """`model`: a catalog name or a GGUF path (default: the catalog's default model);
+        `catalog`: a models.toml instead of the packaged one. `settings` are EngineConfig's fields
+        (n_parallel, n_ctx, n_batch, kv_unified, speculative, cache_ram, chat_template, verbose,
+        ...): each one given and not None overrides the model's catalog default, else the engine's."""
         models = Catalog.load(catalog)
         spec = models.resolve(model)
-        self.config = EngineConfig.for_model(
-            spec, n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
-            n_threads=n_threads, gpu_layers=gpu_layers, kv_unified=kv_unified, share_prefixes=share_prefixes,
-            deterministic=deterministic, speculative=speculative, draft_model=None if draft_model is None else str(draft_model),
-            draft_max=draft_max, checkpoint_every=checkpoint_every, checkpoint_memory=checkpoint_memory,
-            embed_pack=embed_pack, cache_ram=cache_ram, cache_dir=None if cache_dir is None else str(cache_dir),
-            cache_disk=cache_disk, scheduling=scheduling, lora=None if lora is None else tuple(map(str, lora)),
-            cache_type_k=cache_type_k, cache_type_v=cache_type_v, flash_attn=flash_attn, rpc=rpc, tensor_split=tensor_split,
-            rpc_timeout=rpc_timeout, chat=chat, chat_template=None if chat_template is None else str(chat_template),
-            verbose=verbose,
-        )
+        self.config = EngineConfig.for_model(spec, **settings)
         draft_path = models.resolve(self.config.draft_model).gguf_path() if self.config.draft_model else None
         self.model_name = spec.name
         path = spec.gguf_path()
-        init_backend(verbose)
         cfg = self.config
+        init_backend(cfg.verbose)
         if cfg.deterministic:  # kernels that do not change with the number of rows (docs/guides/deterministic.md)
             use_row_invariant_matmul()
         # Deterministic mode needs a second KV stream even for one slot: fillers decode there.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import llama_cpp
 
@@ -41,8 +41,9 @@ CACHE_DISK = 8 << 30
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """An engine's settings. The sizes have no defaults here: they are the model's, from its
-    catalog entry (ModelSpec), so `for_model` is the way to make one."""
+    """An engine's settings: the one list of them, which BatchEngine takes as keyword arguments
+    and the command line's options map onto (engine.options). The sizes have no defaults here:
+    they are the model's, from its catalog entry (ModelSpec), so `for_model` is the way to make one."""
 
     n_ctx: int  # total KV cells, split evenly between sequences unless kv_unified
     n_batch: int  # most tokens per llama_decode
@@ -101,6 +102,9 @@ class EngineConfig:
         if self.n_threads == 0:
             object.__setattr__(self, "n_threads", os.cpu_count() or 1)
         object.__setattr__(self, "lora", tuple(str(text) for text in self.lora))
+        for name in ("draft_model", "cache_dir", "chat_template"):  # paths are kept as text
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, str(getattr(self, name)))
         object.__setattr__(self, "rpc", parse_endpoints(self.rpc))
         object.__setattr__(self, "tensor_split", parse_tensor_split(self.tensor_split))
         object.__setattr__(self, "checkpoint_memory", size_option(self.checkpoint_memory))
@@ -117,6 +121,10 @@ class EngineConfig:
             n_threads=spec.threads, gpu_layers=spec.gpu_layers, chat=spec.chat, rpc=spec.rpc,
             tensor_split=spec.tensor_split,
         )
+        unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(f"unknown engine settings {unknown}: an engine takes EngineConfig's fields "
+                            f"({', '.join(f.name for f in fields(cls))})")
         given = {k: v for k, v in overrides.items() if v is not None}
         if "draft_model" in given:
             given.setdefault("speculative", "draft")  # naming a draft model asks for it

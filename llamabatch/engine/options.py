@@ -18,6 +18,9 @@ from .batch_engine import BatchEngine
 from .planning import plan_for
 
 AUTO = "auto"
+# The options the command line names otherwise than EngineConfig does; the rest share its names.
+RENAMED = {"batch_size": "n_batch", "ubatch_size": "n_ubatch", "threads": "n_threads", "scheduling_policy": "scheduling"}
+CONFIG_FIELDS = {f.name for f in fields(EngineConfig)} - {"n_parallel", "n_ctx"}  # the slots and cache size: planned apart
 
 
 @dataclass(frozen=True)
@@ -82,18 +85,10 @@ class EngineOptions:
         return dict(self._settings(), n_parallel=n_parallel)
 
     def _settings(self) -> dict:
-        """BatchEngine's keyword arguments but the slots and the cache size."""
-        return dict(
-            model=self.model, catalog=self.config, n_batch=self.batch_size,
-            n_ubatch=self.ubatch_size, n_threads=self.threads, gpu_layers=self.gpu_layers, kv_unified=self.kv_unified,
-            share_prefixes=self.share_prefixes, deterministic=self.deterministic, speculative=self.speculative,
-            draft_model=self.draft_model, draft_max=self.draft_max, checkpoint_every=self.checkpoint_every,
-            checkpoint_memory=self.checkpoint_memory, embed_pack=self.embed_pack, cache_ram=self.cache_ram,
-            cache_dir=None if self.cache_dir is None else str(self.cache_dir), cache_disk=self.cache_disk,
-            scheduling=self.scheduling_policy, lora=self.lora, cache_type_k=self.cache_type_k,
-            cache_type_v=self.cache_type_v, flash_attn=self.flash_attn, rpc=self.rpc, tensor_split=self.tensor_split,
-            rpc_timeout=self.rpc_timeout, chat=self.chat, chat_template=self.chat_template, verbose=self.verbose,
-        )
+        """BatchEngine's keyword arguments but the slots and the cache size: every option that is
+        an EngineConfig field, under the config's name."""
+        settings = {RENAMED.get(f.name, f.name): getattr(self, f.name) for f in fields(self)}
+        return dict({k: v for k, v in settings.items() if k in CONFIG_FIELDS}, model=self.model, catalog=self.config)
 
     def tuning(self, max_batch: int | None = None, say=None, again: bool = False,
                prompt_tokens: int = tuning.PROMPT_TOKENS) -> tuning.Tuning:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..catalog import Catalog
@@ -143,20 +143,13 @@ class ModelPool:
         return served
 
     def hold(self, served: Served) -> None:
-        """One more hold on a model already held (a stream that outlives its request's handler)."""
+        """One more hold on a model already held (a stream that outlives its request's handler;
+        released when the response is over)."""
         served.leases += 1
 
     def release(self, served: Served) -> None:
         served.leases -= 1
         served.last_used = time.monotonic()
-
-    async def held(self, chunks: AsyncIterator, served: Served) -> AsyncIterator:
-        """A stream's chunks, the model released when the stream ends (or its client leaves)."""
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            self.release(served)
 
     async def loaded(self, served: Served) -> EngineWorker:
         """The model's worker, loading it first if need be (one load, however many wait)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import HTTPException
@@ -60,7 +60,7 @@ class Serving:
     def stream(self, served: Served, chunks: AsyncIterator[str]) -> StreamingResponse:
         """Server-Sent Events, holding the model until the stream ends or its client leaves."""
         self.models.hold(served)
-        return StreamingResponse(self.models.held(chunks, served), media_type="text/event-stream")
+        return _HeldStream(chunks, lambda: self.models.release(served))
 
     @staticmethod
     def engine(served: Served) -> BatchEngine:
@@ -132,6 +132,22 @@ class Serving:
             raise HTTPException(refusal_status(e), str(e)) from None
         except asyncio.TimeoutError:
             raise HTTPException(504, f"the embeddings took longer than {self.timeout:g} s") from None
+
+
+class _HeldStream(StreamingResponse):
+    """A stream that lets its model go once the response is over, however it ends: whole, cut by
+    the client, or refused before its first chunk (when its chunks never start, their own
+    cleanup never runs)."""
+
+    def __init__(self, chunks: AsyncIterator[str], release: Callable[[], None]) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 def http_error(error: LlamabatchError) -> HTTPException:
