@@ -518,8 +518,7 @@ class BatchEngine:
             return
         state, checkpoints = self.memory.snapshot(seq_id)
         if state:
-            nbytes = len(state) + sum(len(cp.data) for cp in checkpoints)
-            cache.keep(CachedPrompt(list(tokens), adapters, tuple(cp.n_tokens for cp in checkpoints), nbytes, state, checkpoints))
+            cache.keep(CachedPrompt.of(tokens, adapters, state, checkpoints))
 
     def _restore_prompt(self, seq: Sequence, cache: PromptCache) -> None:
         """Where a cached prompt gives more of this one than its slot does, it replaces the slot's

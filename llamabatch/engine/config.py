@@ -107,7 +107,7 @@ class EngineConfig:
                 object.__setattr__(self, name, str(getattr(self, name)))
         object.__setattr__(self, "rpc", parse_endpoints(self.rpc))
         object.__setattr__(self, "tensor_split", parse_tensor_split(self.tensor_split))
-        object.__setattr__(self, "checkpoint_memory", size_option(self.checkpoint_memory))
+        object.__setattr__(self, "checkpoint_memory", size_option(self.checkpoint_memory, "--checkpoint-memory"))
         object.__setattr__(self, "cache_ram", size_option(self.cache_ram, "--cache-ram"))
         object.__setattr__(self, "cache_disk", size_option(self.cache_disk, "--cache-disk"))
         for problem in self._problems():
@@ -178,9 +178,8 @@ class EngineConfig:
             yield f"--draft-max must be >= 1, got {self.draft_max}"
         if self.checkpoint_every < 0:
             yield f"--checkpoint-every must be >= 0 tokens (0: checkpoints only at prompt ends), got {self.checkpoint_every}"
-        if self.checkpoint_memory < 0:
-            yield f"--checkpoint-memory must be >= 0, got {self.checkpoint_memory}"
-        for option, value in (("--cache-ram", self.cache_ram), ("--cache-disk", self.cache_disk)):
+        for option, value in (("--checkpoint-memory", self.checkpoint_memory), ("--cache-ram", self.cache_ram),
+                              ("--cache-disk", self.cache_disk)):
             if value < 0:
                 yield f"{option} must be >= 0, got {value}"
         if (self.cache_ram or self.cache_dir) and not self.share_prefixes:
@@ -203,8 +202,8 @@ class EngineConfig:
             yield f"gpu_layers must be -1 (all) or >= 0, got {self.gpu_layers}"
 
 
-def size_option(value: int | str, option: str = "--checkpoint-memory") -> int:
-    """A memory budget option in bytes: a number, or a size such as 512MiB (0: none)."""
+def size_option(value: int | str, option: str) -> int:
+    """A memory budget `option` in bytes: a number, or a size such as 512MiB (0: none)."""
     if not isinstance(value, str):
         return value
     try:

@@ -154,7 +154,7 @@ class EngineOptions:
             self.model, catalog=self.config, ctx_per_seq=ctx_per_seq or self.ctx_per_seq, memory=memory_budget(self.memory),
             kv_unified=kv_unified, n_ubatch=self.ubatch_size, max_parallel=n_sequences, cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v, rpc=self.rpc, verbose=self.verbose,
-            checkpoint_memory=None if self.checkpoint_memory is None else size_option(self.checkpoint_memory),
+            checkpoint_memory=None if self.checkpoint_memory is None else size_option(self.checkpoint_memory, "--checkpoint-memory"),
             cache_ram=0 if self.cache_ram is None else size_option(self.cache_ram, "--cache-ram"),
         )
         return planned

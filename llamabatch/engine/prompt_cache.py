@@ -63,6 +63,12 @@ class CachedPrompt:
     path: Path | None = None  # on disk
     written: Future | None = None  # the disk write, until it is done
 
+    @classmethod
+    def of(cls, tokens: list[int], adapters: AdapterSet, state: bytes, checkpoints: tuple[Checkpoint, ...]) -> CachedPrompt:
+        """A stream's snapshot (memory.Memory.snapshot), in RAM."""
+        nbytes = len(state) + sum(len(cp.data) for cp in checkpoints)
+        return cls(list(tokens), adapters, tuple(cp.n_tokens for cp in checkpoints), nbytes, state, checkpoints)
+
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
@@ -70,10 +76,14 @@ class CachedPrompt:
 
 @dataclass
 class TierStats:
+    held: OrderedDict[CachedPrompt, None] = field(default_factory=OrderedDict)  # the tier's entries, least recently used first
     hits: int = 0  # prompts restored from this tier
     evictions: int = 0  # entries pushed out for room
-    entries: int = 0
     bytes: int = 0
+
+    @property
+    def entries(self) -> int:
+        return len(self.held)
 
 
 @dataclass
@@ -103,8 +113,7 @@ class PromptCache:
         self.disk_bytes = disk_bytes if disk_dir is not None else 0
         self.fingerprint = fingerprint
         self.stats = CacheStats()
-        self._ram: OrderedDict[CachedPrompt, None] = OrderedDict()  # least recently used first
-        self._disk: OrderedDict[CachedPrompt, None] = OrderedDict()
+        self._ram, self._disk = self.stats.ram.held, self.stats.disk.held
         self._index: PrefixIndex[CachedPrompt] = PrefixIndex(lambda e: e.tokens, lambda e: e.adapters)
         self._by_key: dict[str, CachedPrompt] = {}
         self.folder = None if disk_dir is None else Path(disk_dir).expanduser() / fingerprint
@@ -198,20 +207,17 @@ class PromptCache:
             stats.evictions += 1
             (self._out_of_ram if tier is self._ram else self._off_disk)(victim)
             self._forget_if_nowhere(victim)
-        stats.entries = len(tier)
 
     def _out_of_ram(self, entry: CachedPrompt) -> None:
         if entry in self._ram:
             del self._ram[entry]
             self.stats.ram.bytes -= entry.nbytes
-            self.stats.ram.entries = len(self._ram)
         entry.state, entry.checkpoints = None, ()
 
     def _off_disk(self, entry: CachedPrompt) -> None:
         if entry in self._disk:
             del self._disk[entry]
             self.stats.disk.bytes -= entry.nbytes
-            self.stats.disk.entries = len(self._disk)
             self._writer.submit(_unlink, entry.path)  # after its write: one thread does both, in order
         entry.path = entry.written = None
 

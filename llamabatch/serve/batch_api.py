@@ -172,7 +172,11 @@ def batch_routes(store: Store, serving: Serving, authorized: Callable, errors: C
         if source.purpose != "batch":
             raise HTTPException(400, f"file {source.id} has purpose {source.purpose!r}: a batch reads a file of purpose 'batch'")
         served = await serving.acquire(await asyncio.to_thread(_first_model, source.path))  # loaded, and held until the run is queued
-        row = store.add_batch(source.id, body.endpoint, body.metadata)
+        try:
+            row = store.add_batch(source.id, body.endpoint, body.metadata)
+        except BaseException:
+            serving.models.release(served)
+            raise
         asyncio.ensure_future(_start_held(store, serving, served, row))
         return batch_object(row, served.name)
 
