@@ -67,10 +67,10 @@ def test_plan_check_compares_with_llama_cpp_for_a_quantized_cache(wide_model):
 
 
 def test_refused_combinations_are_refused_with_the_reason(make_engine, wide_model, tiny_model, monkeypatch):
-    import llamabatch.engine.batch_engine as batch_engine
+    import llamabatch.engine.runtime as runtime
 
     loads = []
-    monkeypatch.setattr(batch_engine, "Model", lambda *a, **k: loads.append(a))  # nothing may load before the check
+    monkeypatch.setattr(runtime, "Model", lambda *a, **k: loads.append(a))  # nothing may load before the check
     with pytest.raises(ConfigError, match=r"a quantized V cache \(--cache-type-v q8_0\) needs flash attention"):
         make_engine(wide_model, cache_type_v="q8_0", flash_attn="off")
     with pytest.raises(ConfigError, match="--cache-type-k must be one of f32, f16, bf16, q8_0, .*got 'q3_k'"):

@@ -281,7 +281,7 @@ def test_a_follower_given_its_prefix_in_a_failed_step_fails_with_it(make_engine,
     def broken_sampling(*args):
         raise RuntimeError("a sampler fault")
 
-    monkeypatch.setattr(engine, "_sample", broken_sampling)
+    monkeypatch.setattr(engine.stepper, "_sample", broken_sampling)
     events = engine.step()
     assert sorted(e.uid for e in events) == sorted(s.uid for s in samples)
     assert all(s.finish_reason == "error" and "RuntimeError: a sampler fault" in s.error for s in samples)

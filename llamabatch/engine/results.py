@@ -111,6 +111,10 @@ class RunStats:
     first_step_at: float | None = None
     last_step_at: float | None = None
 
+    def reset(self) -> None:
+        """Back to zero, in place: the engine's parts all count into this one object."""
+        self.__dict__.update(RunStats().__dict__)
+
     def record_step(self, started: float, ended: float) -> None:
         if self.first_step_at is None:
             self.first_step_at = started

@@ -75,15 +75,15 @@ class Speculator:
             seq.draft = draft
         return [seq for seq in eligible if seq.draft]
 
-    def verify(self, seq: Sequence, best: list[int] | None, rows: np.ndarray, scratch: Scratch) -> tuple[list[int], int]:
+    def verify(self, seq: Sequence, rows: np.ndarray, scratch: Scratch) -> tuple[list[int], int]:
         """The tokens a sequence keeps from its drafts, whose logits are `rows` (its last token's
         row, then one per draft): the drafts up to the first the model refuses, then the model's
-        own token there (greedy: those its argmax `best` agrees with; sampled: by rejection
+        own token there (greedy: those its rows' argmax agrees with; sampled: by rejection
         sampling, DraftSampler). Returns them and how many drafts were kept."""
         draft = seq.draft
         k = len(draft)
         if seq.sampler.greedy:
-            picks = [int(t) for t in best]
+            picks = rows.argmax(axis=1).tolist()
             n_ok = 0
             while n_ok < k and picks[n_ok] == draft[n_ok]:
                 n_ok += 1

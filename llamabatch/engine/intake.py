@@ -1,0 +1,127 @@
+"""Intake: prompts and their sampling parameters become queued sequences, or are refused."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+from ..chat import Tools
+from ..chat.conversation import ChatPrompt
+from ..errors import ChatTemplateError, ConstraintError, PromptError, SamplingError
+from .chain import build_sampler
+from .config import EngineConfig
+from .constraints import Constraint, Grammars
+from .runtime import Runtime
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+from .thinking import Thought
+
+
+class Intake:
+    """Checks what a caller asks for against the loaded model (the context, the vocabulary, the
+    adapters), tokenizes it, and queues its sequences with the scheduler."""
+
+    def __init__(self, config: EngineConfig, runtime: Runtime, scheduler: Scheduler, grammars: Grammars) -> None:
+        self.config, self.runtime, self.scheduler, self.grammars = config, runtime, scheduler, grammars
+        self.vocab = runtime.vocab
+        self._next_index = 0
+        self._uids = itertools.count()
+
+    def add(
+        self, prompt: str | list[int], params: SamplingParams | None = None, index: int | None = None,
+        *, score_from: int | None = None, priority: int = 0, priority_class: str = "interactive",
+    ) -> list[Sequence]:
+        """BatchEngine.add: its sequences, queued; nothing queued when it raises."""
+        params = params or SamplingParams()
+        if index is None:
+            index, self._next_index = self._next_index, self._next_index + 1
+        prompt, tokens = self._tokens(prompt)
+        if score_from is None and params.prompt_logprobs is not None and len(tokens) > 1:
+            score_from = 1  # a one-token prompt has nothing to score: its only entry is the null
+        if score_from is not None and not 1 <= score_from < len(tokens):
+            raise PromptError(f"nothing to score: tokens from {score_from} on of a {len(tokens)}-token prompt")
+        if params.logit_bias and params.logit_bias[-1][0] >= self.vocab.n_vocab:  # sorted: the largest id last
+            raise SamplingError(f"logit_bias: token {params.logit_bias[-1][0]} is outside the vocabulary (0..{self.vocab.n_vocab - 1})")
+        constraint = Constraint.of(params)
+        matchers = [self.grammars.matcher(constraint) for _ in range(params.n)] if constraint else [None] * params.n
+        adapters = self.runtime.adapters.default if params.adapters is None else params.adapters
+        self.runtime.adapters.check(adapters)
+        samples = params.per_sample()
+        sequences = [self._new_sequence(index, k, prompt, tokens, p) for k, p in enumerate(samples)]
+        if params.n > self.config.n_parallel and self.scheduler.checkpoint_every is not None:
+            for seq in sequences:  # samples that wait for a slot take the prompt from a checkpoint there
+                seq.checkpoint_at = len(tokens) - 1
+        budget = params.thinking_budget
+        close = self.vocab.tokenize(f"\n{budget.close}\n\n", add_special=False) if budget else None
+        for seq, matcher, p in zip(sequences, matchers, samples):
+            seq.matcher, seq.adapters = matcher, adapters
+            seq.thought = Thought(budget, close) if budget else None
+            seq.special = matcher is not None or p.logprobs is not None or p.max_tokens == 0 or budget is not None
+            seq.priority, seq.priority_class = priority, priority_class
+            seq.score_from = -1 if score_from is None else score_from
+            if params.max_tokens == 0 and score_from is None:  # nothing to generate, nothing to score: done
+                seq.status, seq.finish_reason = Status.FINISHED, "length"
+            else:
+                self.scheduler.add(seq)
+        return sequences
+
+    def _tokens(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+        """The prompt as text and as tokens, refused when empty or longer than a sequence's context."""
+        if len(prompt) == 0:
+            raise PromptError("empty prompt")
+        if isinstance(prompt, str):
+            tokens = self.tokenize_prompt(prompt)
+        else:
+            tokens = [int(t) for t in prompt]
+            prompt = self.vocab.detokenize(tokens)  # refuses ids outside the vocabulary
+        ctx = self.runtime.ctx
+        if len(tokens) > ctx.n_ctx_seq:
+            hint = "raise --ctx" if ctx.kv_unified else "raise --ctx or lower --parallel"
+            raise PromptError(f"prompt is {len(tokens)} tokens, longer than the {ctx.n_ctx_seq}-token context of one sequence ({hint})")
+        return prompt, tokens
+
+    def _new_sequence(self, index: int, sample: int, prompt: str, tokens: list[int], params: SamplingParams) -> Sequence:
+        n_ctx_seq = self.runtime.ctx.n_ctx_seq
+        sampler = build_sampler(params, n_ctx_seq, self.vocab, len(tokens))  # penalties look back over the prompt too, as llama.cpp's server does
+        # max_tokens reached, or the context: the newest token is decoded at len(tokens) - 1 next step, in a cell it needs.
+        max_len = min(len(tokens) + params.max_tokens, n_ctx_seq + 1)
+        return Sequence(index, prompt, params, list(tokens), len(tokens), sampler=sampler, sample=sample, uid=next(self._uids),
+                        max_len=max_len)
+
+    def submit(
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+        *, priority: int = 0, priority_class: str = "interactive",
+    ) -> list[Sequence]:
+        """BatchEngine.submit: a prompt refused comes back as finished sequences with its error."""
+        prompts = list(prompts)
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        else:
+            params = [params or SamplingParams()] * len(prompts)
+        return [seq for i, (p, sp) in enumerate(zip(prompts, params)) for seq in self._submit_one(i, p, sp, priority, priority_class)]
+
+    def _submit_one(self, index: int, prompt: str | list[int], params: SamplingParams, priority: int, priority_class: str) -> list[Sequence]:
+        try:
+            return self.add(prompt, params, index, priority=priority, priority_class=priority_class)
+        except (PromptError, SamplingError, ConstraintError) as e:
+            prompt = prompt if isinstance(prompt, str) else ""
+            return [
+                Sequence(index, prompt, p, [], 0, sample=k, status=Status.FINISHED, finish_reason="error", error=str(e), refused=True)
+                for k, p in enumerate(params.per_sample())
+            ]
+
+    def tokenize_prompt(self, prompt: str) -> list[int]:
+        if self.config.chat:
+            return self.chat_prompt([{"role": "user", "content": prompt}]).tokens
+        return self.vocab.tokenize(prompt)
+
+    def chat_prompt(
+        self, messages: list[dict], tools: Tools | None = None, template_kwargs: dict | None = None, reasoning_budget: int = -1,
+    ) -> ChatPrompt:
+        """BatchEngine.chat_prompt."""
+        chat = self.runtime.chat
+        if chat is None:
+            raise ChatTemplateError(f"{self.runtime.model.path.name} has no chat template (give --chat-template, set chat_template in models.toml, or drop --chat)")
+        return chat.prompt(messages, tools, template_kwargs, reasoning_budget)

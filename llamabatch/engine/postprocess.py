@@ -1,0 +1,72 @@
+"""What a sampled token does to its sequence: appended, checked against every way the sequence
+can end, and an end frees the sequence's slot."""
+
+from __future__ import annotations
+
+import time
+
+from .config import EngineConfig
+from .memory import Memory
+from .native import Vocab
+from .results import Event, RunStats
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+
+class Postprocessor:
+    def __init__(self, config: EngineConfig, vocab: Vocab, memory: Memory, scheduler: Scheduler, stats: RunStats) -> None:
+        self.vocab, self.memory, self.scheduler, self.stats = vocab, memory, scheduler, stats
+        self.share_prefixes = config.share_prefixes
+
+    def accept(self, seq: Sequence, token: int) -> Event:
+        """Append the sampled token; finish the sequence if it ends here (a constrained one ends
+        when its constraint is complete)."""
+        seq.tokens.append(token)
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            # The mask allowed nothing it would take: the constraint itself broke down (llguidance
+            # gave up on it, or it has a dead end), which is the request's to fix, as a schema
+            # that does not compile is.
+            seq.refused = True
+            return self.finish(seq, token, "", "error", f"the constraint cannot be followed: {seq.matcher.get_error()}")
+        self.stats.completion_tokens += 1
+        if seq.t_first_token is None:
+            seq.t_first_token = time.perf_counter()
+        if self.vocab.is_eog(token) and not seq.params.ignore_eos:
+            return self.finish(seq, token, "", "stop")
+        text = seq.text.push(self.vocab.piece(token))
+        if seq.thought is not None and not seq.forced:
+            seq.forced = seq.thought.after(self.vocab.piece(token).decode(errors="replace")) or []
+        if seq.text.stopped or (seq.matcher is not None and seq.matcher.is_stopped()):
+            return self.finish(seq, token, text, "stop")
+        if len(seq.tokens) >= seq.max_len:
+            return self.finish(seq, token, text, "length")
+        return Event(seq.index, token, text, None, None, seq.sample, seq.uid, seq.logprobs[-1] if seq.logprobs else None)
+
+    def finish(self, seq: Sequence, token: int | None, text: str, reason: str, error: str | None = None) -> Event:
+        """The sequence is done; its KV stays in its slot as a prefix cache for later prompts
+        (when prefixes are shared; else it is freed, so a deterministic filler finds room there)."""
+        text += seq.text.finish()
+        self.memory.drop_swap(seq)
+        seq.finish_reason, seq.error = reason, error
+        if seq.incomplete:
+            self.stats.incomplete_structured += 1
+        seq.t_finished = time.perf_counter()
+        if seq.status is Status.RUNNING and not self.share_prefixes:
+            self.memory.clear(seq.seq_id)
+        self.scheduler.release(seq)
+        seq.close_samplers()
+        return event(seq, token, text, reason, error)
+
+    def fail(self, seq: Sequence, message: str) -> Event:
+        """End a sequence with the engine's error. Its KV goes: a failed decode may have left
+        part of a batch there."""
+        if seq.status is Status.RUNNING:
+            self.memory.clear(seq.seq_id)
+            seq.n_past = 0  # its slot keeps nothing
+        seq.draft = []
+        return self.finish(seq, None, "", "error", message)
+
+
+def event(seq: Sequence, token: int | None, text: str, reason: str | None = None, error: str | None = None) -> Event:
+    logprob = seq.logprobs[-1] if token is not None and seq.logprobs else None
+    return Event(seq.index, token, text, reason, error, seq.sample, seq.uid, logprob)
