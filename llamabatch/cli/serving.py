@@ -53,6 +53,8 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
     max_queue: Annotated[int, typer.Option(help="Sequences (and embedding requests) that may wait; beyond, requests get 429.")] = 256,
     request_timeout: Annotated[float, typer.Option(help="Seconds before a request is cancelled (504).")] = 600.0,
+    shutdown_timeout: Annotated[float, typer.Option(
+        help="On Ctrl-C or SIGTERM: seconds the requests in flight may finish in (new ones get 503) before they end with an error; batches are left to resume.")] = 30.0,
     pooling: Annotated[Optional[str], typer.Option(help="/v1/embeddings: mean, cls or last (default: the GGUF's, else mean).")] = None,
     embed_pack: EmbedPackOpt = None,
     data_dir: Annotated[Optional[Path], typer.Option(help="Files and batches of the Batch API (/v1/files, /v1/batches), kept across restarts (default: ~/.local/share/llamabatch).")] = None,
@@ -88,9 +90,8 @@ def serve(
     verbose: VerboseOpt = False,
 ) -> None:
     """An OpenAI-compatible server: concurrent requests share the running batch."""
-    import uvicorn
-
     from ..serve.app import ServerSettings, create_app
+    from ..serve.shutdown import serve_until_stopped
     from ..serve.store import default_data_dir
 
     if ray is not None and replicas is None:
@@ -119,7 +120,10 @@ def serve(
         raise LlamabatchError(f"--reasoning-budget must be -1 (no limit), 0 (no thinking) or a number of tokens, got {reasoning_budget}")
     if replicas is not None and data_dir is not None:
         raise LlamabatchError("--data-dir is for the Batch API of one server; replicas (--replicas) serve no batches")
+    if shutdown_timeout < 0:
+        raise LlamabatchError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
     settings = ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout,
+                              shutdown_timeout=shutdown_timeout,
                               pooling=parse_pooling(pooling), max_upload=max_upload_mb << 20, reasoning_budget=reasoning_budget,
                               data_dir=None if replicas is not None else data_dir or default_data_dir(),
                               models=served if several else {}, max_loaded=max_loaded, idle_unload=idle_unload,
@@ -129,7 +133,7 @@ def serve(
         return
     app = create_app(settings)
     display.err.print(f"llamabatch serving on http://{host}:{port}/v1 (Ctrl-C stops)")
-    uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
+    serve_until_stopped(app, host, port, "info" if verbose else "warning", shutdown_timeout)
 
 
 def _served_names(model: list[str] | None, models: str | None, config: Path | None) -> list[str]:

@@ -52,6 +52,7 @@ class ServerSettings:
     api_key: str | None = None
     max_queue: int = 256  # sequences (and embedding requests) waiting before requests get 429, per model
     request_timeout: float = 600.0  # seconds until a request is cancelled and answered 504
+    shutdown_timeout: float = 30.0  # seconds requests may drain as the server stops (serve/shutdown.py)
     pooling: Pooling | None = None  # /v1/embeddings: the GGUF's pooling, else mean, unless set
     data_dir: Path | None = None  # files and batches (OpenAI's Batch API); None: no batch API
     max_upload: int = 200 << 20  # bytes a file upload may have (413 beyond)
@@ -88,7 +89,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         if store is not None:  # batches a stopped server left unfinished resume once their model is in
             asyncio.ensure_future(resume_batches(store, serving))
         yield
-        await models.stop()
+        await models.stop(settings.shutdown_timeout)
         if store is not None:
             store.close()
 

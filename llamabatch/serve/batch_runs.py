@@ -150,22 +150,29 @@ class BatchRun:
     def finished(self) -> bool:
         return self.job.runner.finished
 
+    # The engine thread is done with a batch once it ends: closing its files (fsync) and its
+    # row's last writes go to the store's writer thread, in order after its earlier writes.
+
     def finish(self) -> None:
         """Close the files and publish them: completed, cancelled or expired."""
         if self.ending is None:
-            self.store.update_batch(self.id, status="finalizing", **self._counts())
-        self.job.close()
-        self.store.update_batch(self.id, status=self.ending or "completed", **self._counts(), **self._publish())
+            counts = self._counts()
+            self.store.later(lambda: self.store.update_batch(self.id, status="finalizing", **counts))
+        self.store.later(lambda: self._end(self.ending or "completed"))
 
     def fail(self, message: str) -> None:
         """The engine stopped (or the files could not be written): the batch fails, what it wrote kept."""
-        self.job.close()
-        self.store.update_batch(self.id, status="failed", errors=[batch_error("engine_failed", message)], **self._counts(), **self._publish())
+        self.store.later(lambda: self._end("failed", errors=[batch_error("engine_failed", message)]))
 
     def close(self) -> None:
         """The server is stopping: files synced, the batch left in progress for the next start."""
         self.job.close()
-        self.store.update_batch(self.id, **self._counts())
+        counts = self._counts()
+        self.store.later(lambda: self.store.update_batch(self.id, **counts))
+
+    def _end(self, status: str, **fields) -> None:
+        self.job.close()
+        self.store.update_batch(self.id, status=status, **fields, **self._counts(), **self._publish())
 
     def _record(self, outcome: Outcome) -> None:
         self.job.record(outcome)
@@ -177,7 +184,8 @@ class BatchRun:
             self.failed += 1
         now = time.monotonic()
         if now - self._saved_at >= COUNTS_SAVE_INTERVAL_S:
-            self.store.update_batch(self.id, **self._counts())
+            counts = self._counts()
+            self.store.later(lambda: self.store.update_batch(self.id, **counts))
             self._saved_at = now
 
     def _counts(self) -> dict:

@@ -78,6 +78,7 @@ class ModelPool:
         self.make_worker = make_worker
         self.max_loaded, self.memory, self.idle_unload = max_loaded, memory, idle_unload
         self._idle_task: asyncio.Task | None = None
+        self.stopping: str | None = None  # why requests are refused, once the server stops
 
     @property
     def several(self) -> bool:
@@ -99,20 +100,38 @@ class ModelPool:
         elif self.idle_unload:
             self._idle_task = asyncio.ensure_future(self._unload_idle())
 
-    async def stop(self) -> None:
+    def refuse(self, reason: str) -> None:
+        """The server is stopping: every request from now on is refused with `reason` (503), on
+        every model; what is in flight goes on."""
+        self.stopping = reason
+        for worker in self.workers().values():
+            worker.refuse(reason)
+
+    @property
+    def requests_in_flight(self) -> bool:
+        """Requests not answered yet (a stream counts until it ends); batches apart."""
+        return any(s.leases or (s.worker is not None and s.worker.serving_requests) for s in self.models.values())
+
+    def end_requests(self, reason: str) -> None:
+        """End every request still open, on every model, with `reason` as its error."""
+        for worker in self.workers().values():
+            worker.end_requests(reason)
+
+    async def stop(self, timeout: float | None = None) -> None:
         if self._idle_task is not None:
             self._idle_task.cancel()
         for served in self.models.values():
             if served.loading is not None:
                 await asyncio.wait([served.loading])
-        await asyncio.to_thread(self.close)
+        await asyncio.to_thread(self.close, timeout)
 
-    def close(self) -> None:
-        """Stop every worker, closing its engine (from any thread, no event loop needed)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop every worker (each thread joined within `timeout` seconds), closing its engine
+        (from any thread, no event loop needed)."""
         for served in self.models.values():
             worker, served.worker = served.worker, None
             if worker is not None:
-                worker.stop()
+                worker.stop(timeout)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -132,6 +151,8 @@ class ModelPool:
 
     async def acquire(self, name: str | None) -> Served:
         """The named model, loaded, and held against unloading until release()."""
+        if self.stopping is not None:
+            raise ModelUnavailable(self.stopping)
         served = self.resolve(name)
         served.leases += 1
         try:

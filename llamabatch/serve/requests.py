@@ -70,8 +70,8 @@ class Serving:
             raise HTTPException(503, f"model {served.name} is not loaded" + (f": {served.error}" if served.error else ""))
         if worker.load_error is not None:
             raise HTTPException(503, f"the model failed to load: {worker.load_error}")
-        if worker.broken is not None:
-            raise HTTPException(503, worker.broken)
+        if worker.refusal is not None:
+            raise HTTPException(503, worker.refusal)
         if worker.engine is None:
             raise HTTPException(503, "the model is loading")
         return worker.engine

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
+import queue
 import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LlamabatchError
+
+log = logging.getLogger("llamabatch.serve")
 
 # A batch may still be running (or resumed) in these states; the others are final.
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
@@ -78,7 +82,8 @@ class StoredFile:
 
 class Store:
     """Files and batches in DATA_DIR: uploads in files/, each batch's output and error lines in
-    batches/ID/, metadata in llamabatch.sqlite3. Safe to call from any thread."""
+    batches/ID/, metadata in llamabatch.sqlite3. Safe to call from any thread; the engine thread hands its
+    writes to the store's own writer thread (later()), so it never waits for a commit's fsync."""
 
     def __init__(self, data_dir: str | Path) -> None:
         self.root = Path(data_dir)
@@ -96,8 +101,25 @@ class Store:
         self._db.execute("PRAGMA synchronous=FULL")  # a commit survives a power cut, not only a kill
         self._db.executescript(_SCHEMA)
         self._mutex = threading.Lock()
+        self._writes: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_in_order, name="llamabatch-store", daemon=True)
+        self._writer.start()
+
+    def later(self, write: Callable[[], object]) -> None:
+        """Run `write` (a call of this store's) on the writer thread, after those handed in before."""
+        self._writes.put(write)
+
+    def _write_in_order(self) -> None:
+        while (write := self._writes.get()) is not None:
+            try:
+                write()
+            except Exception:  # noqa: BLE001 - nobody waits for it: logged, and the next write goes on
+                log.exception("a write to the store in %s failed", self.root)
 
     def close(self) -> None:
+        """Once every write handed in is done: close the database and release the directory."""
+        self._writes.put(None)
+        self._writer.join()
         self._db.close()
         self._lock_file.close()  # releases the lock
 

@@ -9,11 +9,16 @@ the next step. The metrics hear of a step once, with what its tokens add up to (
 A step that fails fails its own sequences (the engine reports them) and the thread goes on. If
 the engine breaks, every open and queued request fails at once, later ones are refused, and
 `broken` says why; the engine is closed only when the worker stops, so nothing reads freed memory.
+
+Stopping goes in order (serve/shutdown.py): intake stops (refuse), the requests still open end
+with an error (end_requests), the thread is joined within a timeout, batches are synced and left
+in progress for the next start, and the engine is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -25,6 +30,10 @@ from ..engine.embedding import Pooling
 from ..errors import EngineBroken, LlamabatchError
 from .batch_runs import BatchRun
 
+
+log = logging.getLogger("llamabatch.serve")
+
+STOPPING = "the server is stopping"  # why requests are refused, and those still open end, as it stops
 
 # A client whose stream has this many steps' events it has not read has stopped reading: its
 # sequences are cancelled rather than generated into a buffer nobody empties.
@@ -95,6 +104,7 @@ class EngineWorker:
         self.engine: BatchEngine | None = None
         self.load_error: BaseException | None = None
         self.broken: str | None = None  # why the engine stopped serving, once it has
+        self.stopping: str | None = None  # why it takes no more work, once the server stops
         self.ready = threading.Event()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._pooling: list[PoolingSubmission] = []  # taken, run after the inbox is drained
@@ -111,15 +121,44 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def refuse(self, reason: str) -> None:
+        """Take no more work: every later submission, and any not yet taken, is refused with
+        `reason` (EngineUnavailable); what the engine holds goes on."""
+        with self._pending_lock:
+            self.stopping = self.stopping or reason
+
+    def end_requests(self, reason: str) -> None:
+        """End every request still open (not batches) with `reason` as its error, at the next step."""
+        self._inbox.put(lambda: self._fail_requests(reason, cancel=True))
+
+    @property
+    def refusal(self) -> str | None:
+        """Why new work is refused: the engine broke, or the server is stopping."""
+        return self.broken or self.stopping
+
+    @property
+    def serving_requests(self) -> bool:
+        """Requests (not batches) queued or open (read from another thread: a snapshot)."""
+        return bool(self._pending or self._owners or self._pooling)
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop the thread (within `timeout` seconds), then sync the batches in progress (left so:
+        the next start resumes them) and close the engine. A request still open ends with an
+        error. False when the thread did not stop in time (a long decode, say): its engine and
+        batches are left as they are, to go with the process, not freed under a running step."""
+        self.refuse(STOPPING)
         self._stop.set()
         self._inbox.put(lambda: None)  # wake it
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine thread did not stop within %.0f s; its engine is left to the process's exit", timeout)
+            return False
         for run in self._batches:  # synced, and left in progress: the next start resumes them
             run.close()
         if self.engine is not None:
             engine, self.engine = self.engine, None  # what reads it from now on sees no engine, not a closed one
             engine.close()
+        return True
 
     @property
     def queued(self) -> int:
@@ -155,8 +194,8 @@ class EngineWorker:
             )
         submission.submitted = submission.loop.create_future()
         with self._pending_lock:  # held while queueing, so _break either sees this job or refuses it here
-            if self.broken is not None:
-                raise EngineUnavailable(self.broken)
+            if self.refusal is not None:
+                raise EngineUnavailable(self.refusal)
             if self.queued + n > self.max_queue:
                 raise QueueFull(f"the queue is full ({self.queued} sequences waiting, --max-queue {self.max_queue})")
             self._pending += n
@@ -177,8 +216,8 @@ class EngineWorker:
         (it may hold up to 2,048 texts). QueueFull when the queue is full, EngineUnavailable when
         the engine has stopped."""
         with self._pending_lock:
-            if self.broken is not None:
-                raise EngineUnavailable(self.broken)
+            if self.refusal is not None:
+                raise EngineUnavailable(self.refusal)
             if self.queued + 1 > self.max_queue:
                 raise QueueFull(f"the queue is full ({self.queued} sequences and requests waiting, --max-queue {self.max_queue})")
             self._pending += 1
@@ -209,25 +248,34 @@ class EngineWorker:
                     self._each_batch(BatchRun.finish, [run])
         except Exception as e:  # noqa: BLE001 - whatever it was, the requests must hear of it
             self._break(e)
+        else:
+            self._fail_requests(self.refusal or STOPPING, cancel=True)
 
     def _break(self, error: Exception) -> None:
         """The engine cannot go on: fail every request it holds or has queued, refuse the rest."""
         with self._pending_lock:
             self.broken = f"the engine stopped: {error}"
-        for submission, seq in list(self._owners.values()):
-            seq.finish_reason, seq.error = "error", self.broken
-            self._forget(seq)
-            event = Event(seq.index, None, "", "error", self.broken, seq.sample, seq.uid)
-            submission.loop.call_soon_threadsafe(submission.events.put_nowait, [event])
-        self._drain_inbox(block=False)  # submissions already queued are refused by _take
-        for pooling in self._pooling:
-            pooling.loop.call_soon_threadsafe(_resolve, pooling.done, EngineUnavailable(self.broken))
-        with self._pending_lock:
-            self._pending -= len(self._pooling)
-        self._pooling.clear()
+        self._fail_requests(self.broken, cancel=False)
         runs, self._batches = self._batches, []
         for run in runs:
             run.fail(self.broken)
+
+    def _fail_requests(self, reason: str, cancel: bool) -> None:
+        """End every open request with `reason` as its error (`cancel`: freeing its sequences in
+        the engine, which goes on), and refuse those still queued."""
+        for submission, seq in list(self._owners.values()):
+            if cancel:
+                self.engine.cancel(seq)
+            seq.finish_reason, seq.error = "error", reason
+            self._forget(seq)
+            event = Event(seq.index, None, "", "error", reason, seq.sample, seq.uid)
+            submission.loop.call_soon_threadsafe(submission.events.put_nowait, [event])
+        self._drain_inbox(block=False)  # submissions already queued are refused by _take
+        for pooling in self._pooling:
+            pooling.loop.call_soon_threadsafe(_resolve, pooling.done, EngineUnavailable(reason))
+        with self._pending_lock:
+            self._pending -= len(self._pooling)
+        self._pooling.clear()
 
     def _add_batch(self, run: BatchRun) -> None:
         if self.broken is not None:
@@ -260,8 +308,8 @@ class EngineWorker:
     def _take(self, submission: Submission, prompts: list, params: list[SamplingParams]) -> None:
         with self._pending_lock:
             self._pending -= sum(p.n for p in params)
-        if self.broken is not None:
-            submission.loop.call_soon_threadsafe(_resolve, submission.submitted, EngineUnavailable(self.broken))
+        if self.refusal is not None:
+            submission.loop.call_soon_threadsafe(_resolve, submission.submitted, EngineUnavailable(self.refusal))
             return
         try:
             sequences = self.engine.submit(prompts, params, priority=submission.priority)
