@@ -80,6 +80,24 @@ def test_the_openai_client_drives_a_batch_from_upload_to_output(api):
     assert metric(base, 'llamabatch_generated_tokens_total{class="batch"}') >= 160
 
 
+def test_a_batch_whose_files_cannot_be_published_fails_saying_why_and_the_server_goes_on(api, monkeypatch):
+    from llamabatch.serve.batch_runs import BatchRun
+
+    _, client = api
+
+    def full_disk(run):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(BatchRun, "_publish", full_disk)
+    batch = wait(client, client.batches.create(input_file_id=upload(client, lines(3)).id, endpoint="/v1/completions",
+                                               completion_window="24h").id)
+    assert batch.status == "failed" and batch.request_counts.completed == 3
+    assert "No space left on device" in batch.errors.data[0].message
+    monkeypatch.undo()
+    ok = client.completions.create(model="tiny", prompt="still here", max_tokens=4)
+    assert ok.usage.completion_tokens >= 1
+
+
 def test_chat_and_embedding_batches(api):
     _, client = api
     chat = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",

@@ -171,8 +171,14 @@ class BatchRun:
         self.store.later(lambda: self.store.update_batch(self.id, **counts))
 
     def _end(self, status: str, **fields) -> None:
-        self.job.close()
-        self.store.update_batch(self.id, status=status, **fields, **self._counts(), **self._publish())
+        try:
+            self.job.close()
+            published = self._publish()
+        except Exception as e:  # its files cannot be written: the batch says so, it does not stay in progress
+            self.store.update_batch(self.id, status="failed", errors=[batch_error("batch_failed", f"{type(e).__name__}: {e}")],
+                                    **self._counts())
+            raise
+        self.store.update_batch(self.id, status=status, **fields, **self._counts(), **published)
 
     def _record(self, outcome: Outcome) -> None:
         self.job.record(outcome)

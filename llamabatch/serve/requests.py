@@ -110,7 +110,8 @@ class Serving:
 
     def reply(self, served: Served, submission: Submission, kind: str, shown: Shown = Shown(), model: str | None = None,
               answer: Answer | None = None) -> Reply:
-        return Reply(submission, self.engine(served), kind, self.timeout, self.metrics.of(served.name), shown, model, answer)
+        # The engine that took the submission (not self.engine(): a stop that began since must not refuse it now).
+        return Reply(submission, served.worker.engine, kind, self.timeout, self.metrics.of(served.name), shown, model, answer)
 
     async def pool(self, served: Served, tokens, pooling: Pooling | None):
         """Texts (or pairs) pooled by the worker beside the running batch: (rows, tokens). 400 for an

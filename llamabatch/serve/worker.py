@@ -122,8 +122,8 @@ class EngineWorker:
         self._thread.start()
 
     def refuse(self, reason: str) -> None:
-        """Take no more work: every later submission, and any not yet taken, is refused with
-        `reason` (EngineUnavailable); what the engine holds goes on."""
+        """Take no more work: every later submission is refused with `reason` (EngineUnavailable);
+        what was submitted before goes on."""
         with self._pending_lock:
             self.stopping = self.stopping or reason
 
@@ -261,8 +261,10 @@ class EngineWorker:
             run.fail(self.broken)
 
     def _fail_requests(self, reason: str, cancel: bool) -> None:
-        """End every open request with `reason` as its error (`cancel`: freeing its sequences in
-        the engine, which goes on), and refuse those still queued."""
+        """End every request with `reason` as its error: those still in the inbox are taken first
+        (refused by _take if the engine broke), then every open one ends (`cancel`: its sequences
+        freed in the engine, which goes on)."""
+        self._drain_inbox(block=False)
         for submission, seq in list(self._owners.values()):
             if cancel:
                 self.engine.cancel(seq)
@@ -270,7 +272,6 @@ class EngineWorker:
             self._forget(seq)
             event = Event(seq.index, None, "", "error", reason, seq.sample, seq.uid)
             submission.loop.call_soon_threadsafe(submission.events.put_nowait, [event])
-        self._drain_inbox(block=False)  # submissions already queued are refused by _take
         for pooling in self._pooling:
             pooling.loop.call_soon_threadsafe(_resolve, pooling.done, EngineUnavailable(reason))
         with self._pending_lock:
@@ -308,8 +309,8 @@ class EngineWorker:
     def _take(self, submission: Submission, prompts: list, params: list[SamplingParams]) -> None:
         with self._pending_lock:
             self._pending -= sum(p.n for p in params)
-        if self.refusal is not None:
-            submission.loop.call_soon_threadsafe(_resolve, submission.submitted, EngineUnavailable(self.refusal))
+        if self.broken is not None:
+            submission.loop.call_soon_threadsafe(_resolve, submission.submitted, EngineUnavailable(self.broken))
             return
         try:
             sequences = self.engine.submit(prompts, params, priority=submission.priority)
