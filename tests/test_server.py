@@ -315,3 +315,33 @@ def test_a_json_schema_llguidance_cannot_read_is_refused_not_a_server_error(base
     body = {"prompt": "x", "max_tokens": 2, "json_schema": {"type": "integer", "maximum": 2**70}}
     reply = httpx.post(f"{base}/v1/completions", json=body)
     assert reply.status_code == 400 and "invalid JSON schema" in reply.json()["error"]["message"]
+
+
+def test_prompts_are_tokenized_and_constraints_compiled_off_the_engine_thread(serve, monkeypatch):
+    """The engine thread steps every stream: a request's text is tokenized, and its constraint
+    compiled, before that thread takes it (a large schema's compile must not stall the others)."""
+    from llamabatch.engine.constraints import Grammars
+    from llamabatch.engine.native import Vocab
+
+    threads: dict[str, list[str]] = {"tokenize": [], "compile": []}
+
+    def recorded(name, method):
+        def call(*args, **kwargs):
+            threads[name].append(threading.current_thread().name)
+            return method(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(Vocab, "tokenize", recorded("tokenize", Vocab.tokenize))
+    monkeypatch.setattr(Grammars, "compile", recorded("compile", Grammars.compile))
+    base = serve(n_parallel=2)
+    schema = {"enum": ["yes", "no"]}
+    plain = httpx.post(f"{base}/v1/completions", json={"prompt": "one two three", "max_tokens": 4}, timeout=30)
+    constrained = httpx.post(f"{base}/v1/completions", json={"prompt": "yes or no:", "max_tokens": 12, "json_schema": schema}, timeout=30)
+    assert plain.status_code == 200 and constrained.status_code == 200
+    assert json.loads(constrained.json()["choices"][0]["text"]) in ("yes", "no")
+    assert len(threads["tokenize"]) >= 2 and len(threads["compile"]) >= 2  # prepared, then found compiled on the take
+    assert "llamabatch-engine" not in threads["tokenize"]
+    assert threads["compile"].count("llamabatch-engine") == 1  # the take's lookup, a cache hit
+    # the same refusal as before, now before the engine sees the request
+    refused = httpx.post(f"{base}/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2, "grammar": "root ::= ("}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("invalid grammar")

@@ -15,7 +15,7 @@ from ..errors import ConfigError, PromptError
 from .config import EngineConfig
 from .constraints import Grammars
 from .embedding import Embedder, Pooling, finish
-from .intake import Intake
+from .intake import Intake, PromptInput
 from .picker import Picker
 from .postprocess import Postprocessor, event
 from .results import Event, Result, RunStats, Score
@@ -86,8 +86,13 @@ class BatchEngine:
 
     # -- submitting work -------------------------------------------------------------
 
+    def prepare(self, prompts: list[PromptInput], params: SamplingParams) -> list[PromptInput]:
+        """Tokenize text prompts and compile the constraint ahead of submit(), on the caller's
+        thread, beside running steps (Intake.prepare): the same prompts, as submit() takes them."""
+        return self.intake.prepare(prompts, params)
+
     def add(
-        self, prompt: str | list[int], params: SamplingParams | None = None, index: int | None = None,
+        self, prompt: PromptInput, params: SamplingParams | None = None, index: int | None = None,
         *, score_from: int | None = None, priority: int = 0, priority_class: str = "interactive",
     ) -> list[Sequence]:
         """Queue a prompt (text, or token ids) for params.n samples, which share its KV. With
@@ -99,7 +104,7 @@ class BatchEngine:
         return self.intake.add(prompt, params, index, score_from=score_from, priority=priority, priority_class=priority_class)
 
     def submit(
-        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+        self, prompts: Iterable[PromptInput], params: SamplingParams | list[SamplingParams] | None = None,
         *, priority: int = 0, priority_class: str = "interactive",
     ) -> list[Sequence]:
         """Queue prompts (index = position in `prompts`); n samples each, in order. A prompt that
@@ -140,7 +145,7 @@ class BatchEngine:
             yield from self.step()
 
     def generate(
-        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: Iterable[PromptInput], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Result]:
         """Run prompts to completion; results in input order (n per prompt when params.n > 1).
         A bad prompt fails only its own results."""
@@ -174,7 +179,7 @@ class BatchEngine:
         ]
 
     def stream(
-        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: Iterable[PromptInput], params: SamplingParams | list[SamplingParams] | None = None
     ) -> Iterator[Event]:
         """Run prompts, yielding each token's event as it is sampled (Event.index is the input position)."""
         for seq in self.submit(prompts, params):

@@ -11,6 +11,7 @@ constraint is compiled once; sequences get copies of the compiled matcher.
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
@@ -105,23 +106,31 @@ class Grammars:
         self._executor = llguidance.LLExecutor()
         self._mask: np.ndarray | None = None
         self.compiles = 0  # constraints compiled (the rest were copies of a compiled one)
+        self._lock = threading.Lock()  # over the tokenizer's build and the compiled cache
+
+    def compile(self, constraint: Constraint) -> tuple[llguidance.LLMatcher, DigitBounds | None]:
+        """The constraint compiled (once; later calls find it in the cache). Raises
+        ConstraintError naming what cannot be compiled: an invalid grammar or regex, or a schema
+        feature llguidance does not implement (never a silently unconstrained answer). Safe from
+        any thread: the server compiles a request's constraint before the engine thread takes it,
+        so that a large schema (or the first one's tokenizer, about 2 s) stalls no stream."""
+        with self._lock:
+            compiled = self._compiled.get(constraint)
+            if compiled is None:
+                bounds = constraint.digit_bounds()
+                llg = llguidance.LLMatcher(self._llg_tokenizer(), constraint.llguidance_grammar(), log_level=0)
+                if llg.is_error():
+                    raise ConstraintError(f"invalid {constraint.kind.replace('_', ' ')}: {llg.get_error().strip()}")
+                compiled = self._compiled[constraint] = (llg, bounds)
+                self.compiles += 1
+                while len(self._compiled) > COMPILED_CACHE:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(constraint)
+            return compiled
 
     def matcher(self, constraint: Constraint) -> Matcher:
-        """A fresh matcher for one sequence. Raises ConstraintError naming what cannot be compiled:
-        an invalid grammar or regex, or a schema feature llguidance does not implement (never a
-        silently unconstrained answer)."""
-        compiled = self._compiled.get(constraint)
-        if compiled is None:
-            bounds = constraint.digit_bounds()
-            llg = llguidance.LLMatcher(self._llg_tokenizer(), constraint.llguidance_grammar(), log_level=0)
-            if llg.is_error():
-                raise ConstraintError(f"invalid {constraint.kind.replace('_', ' ')}: {llg.get_error().strip()}")
-            compiled = self._compiled[constraint] = (llg, bounds)
-            self.compiles += 1
-            while len(self._compiled) > COMPILED_CACHE:
-                self._compiled.popitem(last=False)
-        self._compiled.move_to_end(constraint)
-        llg, bounds = compiled
+        """A fresh matcher for one sequence (its constraint compiled if it was not yet)."""
+        llg, bounds = self.compile(constraint)
         return Matcher(llg.deep_copy(), bounds, self.vocab)
 
     def mask_rows(self, matchers: Seq[Matcher], rows: Seq[np.ndarray]) -> None:
@@ -153,6 +162,7 @@ class Grammars:
             row[banned] = -np.inf
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        """Built under the lock by compile(), which every matcher comes from, before mask_rows needs it."""
         if self._tokenizer is None:
             vocab = self.vocab
             # Every end-of-generation token (EOS, <end_of_turn>, ...) may end a finished constraint.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ..chat import Tools
 from ..chat.conversation import ChatPrompt
@@ -18,6 +19,17 @@ from .sequence import Sequence, Status
 from .thinking import Thought
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A text prompt with its tokens, as Intake.prepare tokenized it ahead of add()."""
+
+    text: str
+    tokens: list[int]
+
+
+PromptInput = str | list[int] | Prompt
+
+
 class Intake:
     """Checks what a caller asks for against the loaded model (the context, the vocabulary, the
     adapters), tokenizes it, and queues its sequences with the scheduler."""
@@ -28,8 +40,19 @@ class Intake:
         self._next_index = 0
         self._uids = itertools.count()
 
+    def prepare(self, prompts: list[PromptInput], params: SamplingParams) -> list[PromptInput]:
+        """The slow part of add(), done ahead on the caller's thread: text prompts tokenized (as
+        Prompts) and the constraint compiled. Safe beside a running step (it reads the vocabulary
+        and the chat template, and fills the compiled cache under its lock), so the server does it
+        before the engine thread, which every stream waits on, takes the request. Raises what
+        add() would for the constraint; other refusals are left to add()."""
+        constraint = Constraint.of(params)
+        if constraint is not None:
+            self.grammars.compile(constraint)
+        return [Prompt(p, self.tokenize_prompt(p)) if isinstance(p, str) and p else p for p in prompts]
+
     def add(
-        self, prompt: str | list[int], params: SamplingParams | None = None, index: int | None = None,
+        self, prompt: PromptInput, params: SamplingParams | None = None, index: int | None = None,
         *, score_from: int | None = None, priority: int = 0, priority_class: str = "interactive",
     ) -> list[Sequence]:
         """BatchEngine.add: its sequences, queued; nothing queued when it raises."""
@@ -66,11 +89,13 @@ class Intake:
                 self.scheduler.add(seq)
         return sequences
 
-    def _tokens(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+    def _tokens(self, prompt: PromptInput) -> tuple[str, list[int]]:
         """The prompt as text and as tokens, refused when empty or longer than a sequence's context."""
-        if len(prompt) == 0:
+        if isinstance(prompt, Prompt):
+            prompt, tokens = prompt.text, prompt.tokens
+        elif len(prompt) == 0:
             raise PromptError("empty prompt")
-        if isinstance(prompt, str):
+        elif isinstance(prompt, str):
             tokens = self.tokenize_prompt(prompt)
         else:
             tokens = [int(t) for t in prompt]
@@ -90,7 +115,7 @@ class Intake:
                         max_len=max_len)
 
     def submit(
-        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+        self, prompts: Iterable[PromptInput], params: SamplingParams | list[SamplingParams] | None = None,
         *, priority: int = 0, priority_class: str = "interactive",
     ) -> list[Sequence]:
         """BatchEngine.submit: a prompt refused comes back as finished sequences with its error."""
@@ -102,11 +127,11 @@ class Intake:
             params = [params or SamplingParams()] * len(prompts)
         return [seq for i, (p, sp) in enumerate(zip(prompts, params)) for seq in self._submit_one(i, p, sp, priority, priority_class)]
 
-    def _submit_one(self, index: int, prompt: str | list[int], params: SamplingParams, priority: int, priority_class: str) -> list[Sequence]:
+    def _submit_one(self, index: int, prompt: PromptInput, params: SamplingParams, priority: int, priority_class: str) -> list[Sequence]:
         try:
             return self.add(prompt, params, index, priority=priority, priority_class=priority_class)
         except (PromptError, SamplingError, ConstraintError) as e:
-            prompt = prompt if isinstance(prompt, str) else ""
+            prompt = prompt.text if isinstance(prompt, Prompt) else prompt if isinstance(prompt, str) else ""
             return [
                 Sequence(index, prompt, p, [], 0, sample=k, status=Status.FINISHED, finish_reason="error", error=str(e), refused=True)
                 for k, p in enumerate(params.per_sample())

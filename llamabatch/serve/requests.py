@@ -83,9 +83,12 @@ class Serving:
         timeout). 429 when the queue is full for now, 400 when the request can never run (a prompt
         refused, more sequences than any queue takes), 503 when the engine has stopped."""
         worker, failed = served.worker, self.metrics.of(served.name).failed
-        self.engine(served)
+        engine = self.engine(served)
         submission = Submission(loop=asyncio.get_running_loop(), priority=priority)
         try:
+            # Text tokenized and the constraint compiled here, on a thread of the pool: the engine
+            # thread, which every stream waits on, only queues what it takes.
+            prompts = await asyncio.to_thread(engine.prepare, prompts, params)
             worker.submit(submission, prompts, [params] * len(prompts))
             await asyncio.wait_for(submission.submitted, timeout=max(0.0, submission.t_start + self.timeout - time.perf_counter()))
         except QueueFull as e:
@@ -94,7 +97,7 @@ class Serving:
         except EngineUnavailable as e:
             failed.inc()
             raise HTTPException(503, str(e)) from None
-        except LlamabatchError as e:  # TooLarge; a chat template the model cannot render
+        except LlamabatchError as e:  # TooLarge; a chat template the model cannot render; a constraint that does not compile
             failed.inc()
             raise HTTPException(400, str(e)) from None
         except asyncio.TimeoutError:
