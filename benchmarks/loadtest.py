@@ -112,7 +112,9 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 
 async def main_async(args) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.clients + 4)
+    # A connection per request: llama-server's HTTP library closes a connection idle for 5 s, and a
+    # request sent on it as it closes fails (RemoteProtocolError) through no fault of the server's answers.
+    limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=0)
     outcomes: list[Outcome] = []
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits) as client:
         started = time.perf_counter()
