@@ -15,6 +15,14 @@ def test_split_utf8_characters_are_held_until_complete():
     assert deltas[0] == "" and deltas[1] == "é"  # the first byte alone shows nothing
 
 
+def test_any_split_of_mixed_bytes_reads_as_decoding_them_whole():
+    """ASCII pieces take a fast path; one after a split character must still complete or break it."""
+    data = "a é b 世\n🎉 c".encode() + b"\xe4x\xf0\x9fy" + "z€".encode()
+    for cuts in ([1, 2, 3], [3, 4, 9], [2, 5, 6, 7, 12, 13, 14, 17, 18, 20], list(range(1, len(data)))):
+        pieces = [data[i:j] for i, j in zip([0, *cuts], [*cuts, len(data)])]
+        assert "".join(feed(TextStream(), pieces)) == data.decode(errors="replace"), cuts
+
+
 def test_dangling_bytes_at_the_end_show_as_replacement_character():
     stream = TextStream()
     assert stream.push(b"ok\xe4\xb8") == "ok"

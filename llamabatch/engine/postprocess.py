@@ -17,6 +17,7 @@ class Postprocessor:
     def __init__(self, config: EngineConfig, vocab: Vocab, memory: Memory, scheduler: Scheduler, stats: RunStats) -> None:
         self.vocab, self.memory, self.scheduler, self.stats = vocab, memory, scheduler, stats
         self.share_prefixes = config.share_prefixes
+        self._is_eog, self._piece = vocab.is_eog, vocab.piece  # bound once: accept runs for every token
 
     def accept(self, seq: Sequence, token: int) -> Event:
         """Append the sampled token; finish the sequence if it ends here (a constrained one ends
@@ -31,12 +32,13 @@ class Postprocessor:
         self.stats.completion_tokens += 1
         if seq.t_first_token is None:
             seq.t_first_token = time.perf_counter()
-        if self.vocab.is_eog(token) and not seq.params.ignore_eos:
+        if self._is_eog(token) and not seq.params.ignore_eos:
             return self.finish(seq, token, "", "stop")
-        text = seq.text.push(self.vocab.piece(token))
+        piece, stream = self._piece(token), seq.text
+        text = stream.push(piece)
         if seq.thought is not None and not seq.forced:
-            seq.forced = seq.thought.after(self.vocab.piece(token).decode(errors="replace")) or []
-        if seq.text.stopped or (seq.matcher is not None and seq.matcher.is_stopped()):
+            seq.forced = seq.thought.after(piece.decode(errors="replace")) or []
+        if stream.stopped or (seq.matcher is not None and seq.matcher.is_stopped()):
             return self.finish(seq, token, text, "stop")
         if len(seq.tokens) >= seq.max_len:
             return self.finish(seq, token, text, "length")

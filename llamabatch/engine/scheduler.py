@@ -197,7 +197,11 @@ class Scheduler:
         `reserved` rows (speculative drafts, which also want logits) are kept out of the budget."""
         generating, prefilling = [], []
         plain = not reserved  # so far every row decodes a sampled token
+        first = self.running[0].adapters if self.running else BASE
+        mixed = False  # sequences under different adapter sets
         for seq in self.running:  # one pass, no properties: this runs every step
+            if seq.adapters is not first and seq.adapters != first:
+                mixed = True
             if len(seq.tokens) - seq.n_past > 1:
                 if seq.leader is None:
                     prefilling.append(seq)
@@ -208,7 +212,7 @@ class Scheduler:
                         self._leaders.remove(seq)
                     if seq.n_past < seq.n_prompt:  # that last token's row may score it, or hand on a prefix
                         plain = False
-        if any(seq.adapters != self.running[0].adapters for seq in self.running):
+        if mixed:
             generating, prefilling = self._one_adapter_set(generating, prefilling)
         if self.batch_invariant:
             self.decodes_only = False

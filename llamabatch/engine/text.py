@@ -18,6 +18,7 @@ class TextStream:
 
     def __init__(self, stop: tuple[str, ...] = ()) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._whole = True  # the decoder holds no bytes of a split character
         self._stop = stop
         self._shown: list[str] = []
         self._pending = ""  # decoded but not shown: it could begin a stop string
@@ -33,7 +34,13 @@ class TextStream:
 
     def push(self, piece: bytes) -> str:
         """Add one token's bytes; return the newly shown text (maybe empty)."""
-        new = self._decoder.decode(piece)
+        if self._whole:
+            try:  # most pieces are whole characters: a third of the incremental decoder's cost
+                new = piece.decode()
+            except UnicodeDecodeError:  # a split character (or bad bytes)
+                new = self._decode(piece)
+        else:
+            new = self._decode(piece)
         if not self._stop:  # the common case, inline: a push per token of every sequence
             if new:
                 self._shown.append(new)
@@ -49,6 +56,12 @@ class TextStream:
         keep = self._held_back(pending)
         self._pending = pending[len(pending) - keep :]
         return self._show(pending[: len(pending) - keep])
+
+    def _decode(self, piece: bytes) -> str:
+        """Through the incremental decoder, which holds a split character's bytes (and replaces bad ones)."""
+        new = self._decoder.decode(piece)
+        self._whole = not self._decoder.getstate()[0]
+        return new
 
     def finish(self) -> str:
         """The sequence ended: show whatever was held back (a dangling byte shows as U+FFFD)."""
