@@ -245,10 +245,11 @@ class Stepper:
         """Each due sequence's pick (rows[k] is due[k]'s row of the logits) accepted, drafts
         verified; a sequence that asked for no tokens (max_tokens 0: its prompt was only scored)
         ends here. Each event joins `events` as it happens; a failure is its sequence's alone."""
+        accept, add = self.post.accept, events.append  # bound once: the loop runs for every sequence
         for seq, pick in zip(due, self.picker.pick(due, rows, logits)):
             try:
                 if type(pick) is int:
-                    events.append(self.post.accept(seq, pick))
+                    add(accept(seq, pick))
                 elif pick is not None:
                     raise pick
                 elif seq.draft:
