@@ -17,7 +17,7 @@ class Postprocessor:
     def __init__(self, config: EngineConfig, vocab: Vocab, memory: Memory, scheduler: Scheduler, stats: RunStats) -> None:
         self.vocab, self.memory, self.scheduler, self.stats = vocab, memory, scheduler, stats
         self.share_prefixes = config.share_prefixes
-        self._is_eog, self._piece = vocab.is_eog, vocab.piece  # bound once: accept runs for every token
+        self._known: dict[int, tuple[bool, bytes]] = {}  # token -> (ends generation, its bytes): one lookup a token
 
     def accept(self, seq: Sequence, token: int) -> Event:
         """Append the sampled token; finish the sequence if it ends here (a constrained one ends
@@ -32,9 +32,13 @@ class Postprocessor:
         self.stats.completion_tokens += 1
         if seq.t_first_token is None:
             seq.t_first_token = time.perf_counter()
-        if self._is_eog(token) and not seq.params.ignore_eos:
+        known = self._known.get(token)
+        if known is None:
+            known = self._known[token] = (self.vocab.is_eog(token), self.vocab.piece(token))
+        eog, piece = known
+        if eog and not seq.params.ignore_eos:
             return self.finish(seq, token, "", "stop")
-        piece, stream = self._piece(token), seq.text
+        stream = seq.text
         text = stream.push(piece)
         if seq.thought is not None and not seq.forced:
             seq.forced = seq.thought.after(piece.decode(errors="replace")) or []
