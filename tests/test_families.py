@@ -474,3 +474,28 @@ def test_llama_server_and_we_agree_on_a_hybrid_model(tmp_path, serve):
             assert ours["usage"]["prompt_tokens"] == theirs["tokens_evaluated"]
     cached = ours["usage"]["prompt_tokens_details"]["cached_tokens"], theirs["tokens_evaluated"] - theirs["timings"]["prompt_n"]
     assert cached[0] >= 1000 - 64 and cached[1] > 0 and cached[0] >= cached[1], cached
+
+
+@pytest.mark.parametrize("kind", ["diffusion", "encoder-decoder"])
+def test_a_model_llamabatch_cannot_run_is_refused_with_the_reason_on_every_path(kind, tmp_path, tiny_model):
+    """A diffusion model decodes without a cache (each token alone: garbage reported as a
+    success), and T5 aborts the process in llama_decode ("llama_encode must be called first"):
+    both are refused where they are loaded, naming what they are (the server's /health says it:
+    test_server.py)."""
+    from typer.testing import CliRunner
+
+    from llamabatch.cli import app
+    from llamabatch.errors import ModelError
+    from tiny_model import write_tiny_t5
+
+    if kind == "diffusion":
+        model, reason = write_tiny_model(tmp_path / "dream.gguf", diffusion=True), "dream.gguf is a diffusion model (dream)"
+    else:
+        model, reason = write_tiny_t5(tmp_path / "t5.gguf"), "t5.gguf has an encoder (t5)"
+    with pytest.raises(ModelError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        BatchEngine(model, n_parallel=2, n_ctx=512)
+    with pytest.raises(ModelError, match="has an encoder|is a diffusion model"):  # as a draft model beside a plain one
+        BatchEngine(tiny_model, n_parallel=2, n_ctx=512, speculative="draft", draft_model=str(model))
+    for command in (["run", "-m", str(model), "-p", "hi"], ["plan", "-m", str(model), "--memory", "1GiB"]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 1 and reason in result.output, (command, result.output)

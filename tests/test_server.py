@@ -225,10 +225,18 @@ def test_a_waiting_client_that_hangs_up_frees_its_sequence(serve):
     assert metric(base, "llamabatch_generated_tokens_total") - generated < 8000  # cut short
 
 
-def test_health_is_503_with_the_reason_when_the_model_cannot_load(tmp_path):
-    broken = tmp_path / "broken.gguf"
-    broken.write_bytes(b"GGUF" + b"\0" * 64)
-    app = create_app(ServerSettings(engine=dict(model=broken, n_parallel=1, n_ctx=256)))
+@pytest.mark.parametrize("kind", ["corrupt", "diffusion", "encoder-decoder"])
+def test_health_is_503_with_the_reason_when_the_model_cannot_load(kind, tmp_path):
+    from tiny_model import write_tiny_model, write_tiny_t5
+
+    if kind == "corrupt":
+        model, reason = tmp_path / "broken.gguf", "could not load"
+        model.write_bytes(b"GGUF" + b"\0" * 64)
+    elif kind == "diffusion":
+        model, reason = write_tiny_model(tmp_path / "dream.gguf", diffusion=True), "is a diffusion model"
+    else:  # T5 would abort the process at its first decode
+        model, reason = write_tiny_t5(tmp_path / "t5.gguf"), "has an encoder"
+    app = create_app(ServerSettings(engine=dict(model=model, n_parallel=1, n_ctx=256)))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -244,8 +252,9 @@ def test_health_is_503_with_the_reason_when_the_model_cannot_load(tmp_path):
                 pass
             time.sleep(0.05)
         assert health.status_code == 503 and "failed to load" in health.json()["error"]["message"]
+        assert reason in health.json()["error"]["message"]
         refused = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"})
-        assert refused.status_code == 503
+        assert refused.status_code == 503 and reason in refused.json()["error"]["message"]
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -71,8 +71,9 @@ def write_tiny_model(
     pooling: int | None = None,
     rank_head: bool = False,
     chat_template: str | None = CHATML,
+    diffusion: bool = False,
 ) -> Path:
-    """Write a tiny F32 llama model. `always_eos` makes EOS the greedy choice at every step;
+    """Write a tiny F32 llama model (with `diffusion`, Dream's: the same tensors, attending both ways). `always_eos` makes EOS the greedy choice at every step;
     `pieces` are the word pieces after the byte tokens; `pooling` (a llama_pooling_type) is
     written as the model's embedding pooling. `rank_head` writes a reranker instead: the qwen3
     architecture (llama's, with per-head norms), rank pooling and a two-label classifier
@@ -85,7 +86,7 @@ def write_tiny_model(
     def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    arch = "qwen3" if rank_head else "llama"
+    arch = "qwen3" if rank_head else "dream" if diffusion else "llama"
     w = GGUFWriter(str(path), arch)
     w.add_name(f"tiny-test-{arch}")
     if rank_head:
@@ -176,6 +177,48 @@ def _write_lora(path: Path, arch: str, targets: list[tuple[str, int, int]], *, r
     for name, n_out, n_in in targets:
         w.add_tensor(f"{name}.lora_a", (rng.standard_normal((rank, n_in)) * scale).astype(np.float32))
         w.add_tensor(f"{name}.lora_b", (rng.standard_normal((n_out, rank)) * scale).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_tiny_t5(path: Path, *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4, n_ff: int = 128, seed: int = 0) -> Path:
+    """Write a tiny T5 (an encoder and a decoder that attends to it), with write_tiny_model's
+    vocabulary: a model that loads in llama.cpp but needs llama_encode before it decodes."""
+    tokens, scores, types = vocabulary()
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    n_buckets = 32
+    w = GGUFWriter(str(path), "t5")
+    w.add_name("tiny-test-t5")
+    w.add_context_length(512)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_relative_attn_buckets_count(n_buckets)
+    w.add_file_type(0)
+    add_vocabulary(w, tokens, scores, types, None)
+    w.add_tensor("token_embd.weight", weight(len(tokens), n_embd, scale=1.0))
+    for part, attentions in (("enc", ("attn",)), ("dec", ("attn", "cross_attn"))):
+        for i in range(n_layer):
+            b = f"{part}.blk.{i}"
+            for a in attentions:
+                w.add_tensor(f"{b}.{a}_norm.weight", np.ones(n_embd, np.float32))
+                w.add_tensor(f"{b}.{a}_rel_b.weight", weight(n_buckets, n_head))
+                for name in ("q", "k", "v", "o"):
+                    w.add_tensor(f"{b}.{a}_{name}.weight", weight(n_embd, n_embd))
+            w.add_tensor(f"{b}.ffn_norm.weight", np.ones(n_embd, np.float32))
+            w.add_tensor(f"{b}.ffn_up.weight", weight(n_ff, n_embd))
+            w.add_tensor(f"{b}.ffn_down.weight", weight(n_embd, n_ff))
+        w.add_tensor(f"{part}.output_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("output.weight", weight(len(tokens), n_embd, scale=1.0))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -61,6 +61,7 @@ class DraftModel:
     ) -> None:
         self.model = Model(path, gpu_layers)
         try:
+            self.model.check_supported()
             check_same_vocabulary(target, self.model.vocab, path.name)
             self.ctx = Context(
                 self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_seq_max,

@@ -298,6 +298,19 @@ class Model(_Owner):
         """Attention layers beside recurrent ones (Qwen3.5, LFM2, Granite 4 hybrid, Nemotron-H)."""
         return bool(llama_cpp.llama_model_is_hybrid(self.handle))
 
+    def check_supported(self) -> None:
+        """Refuse, naming the reason, a model llamabatch cannot run: one that needs llama_encode
+        (T5; the draft heads EAGLE-3 and DFlash, which are not models of their own) or one that
+        writes by denoising a block (diffusion: Dream, LLaDA, RND1). Both load and even decode,
+        and would answer with garbage."""
+        arch, name = self.meta("general.architecture"), self.path.name
+        if llama_cpp.llama_model_is_diffusion(self.handle):
+            raise ModelError(f"{name} is a diffusion model ({arch}): it writes a block of tokens by denoising it, "
+                             "where llamabatch decodes one token after another (llama.cpp's llama-diffusion-cli runs it)")
+        if llama_cpp.llama_model_has_encoder(self.handle):
+            raise ModelError(f"{name} has an encoder ({arch}): it needs llama_encode before it decodes, "
+                             "and llamabatch runs decoder-only models")
+
     def chat_template_text(self) -> str | None:
         """The GGUF's own chat template (Jinja text); None for a GGUF without one."""
         template = llama_cpp.llama_model_chat_template(self.handle, None)

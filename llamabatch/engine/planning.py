@@ -172,6 +172,7 @@ def plan_for(
     init_backend(verbose)
     process = current_rss()
     with Model(spec.gguf_path(), gpu_layers=0) as loaded:
+        loaded.check_supported()
         shape = KvShape.of(loaded, cache_type_k or "f16", cache_type_v or "f16")
         result = plan(
             loaded, shape, ctx_per_seq or spec.n_ctx // spec.parallel, memory or available_memory() + process,

@@ -36,6 +36,7 @@ class Runtime:
         with ExitStack() as undo:  # a handle that fails to load frees those made before it
             self.model = Model(path, cfg.gpu_layers, repack=not cfg.deterministic, **self._placement())
             undo.callback(self.model.close)
+            self.model.check_supported()
             self.adapters = Adapters(self.model, spec.adapters, cfg.lora)
             undo.callback(self.adapters.close)
             self.ctx = Context(
