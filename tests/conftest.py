@@ -16,6 +16,7 @@ import uvicorn
 
 from llamabatch import BatchEngine
 from llamabatch.serve.app import ServerSettings, create_app
+from llamabatch.serve.shutdown import Server
 
 from tiny_model import FAMILIES, write_tiny_family, write_tiny_model
 
@@ -116,7 +117,8 @@ def serve(tiny_model):
         engine = dict(model=model or tiny_model, n_parallel=n_parallel, n_ctx=n_ctx or 512 * n_parallel, n_threads=2, **(engine_extra or {}))
         app = create_app(ServerSettings(engine=engine, **settings))
         port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        # The server `serve` runs, which drains in order when it stops (2 s here: nothing should be left)
+        server = Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"), app.state.models, timeout=2)
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         servers.append((server, thread))
@@ -132,9 +134,11 @@ def serve(tiny_model):
         raise RuntimeError("server did not start")
 
     yield start
-    for server, thread in servers:
+    for server, _ in servers:
         server.should_exit = True
+    for server, thread in servers:
         thread.join(timeout=10)
+        assert not thread.is_alive(), "a server did not stop within 10 s"
 
 
 @pytest.fixture(scope="module")

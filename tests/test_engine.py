@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -169,6 +170,31 @@ def test_same_seed_and_batch_give_the_same_output(make_engine):
     assert first == second
     other = [r.token_ids for r in make_engine().generate(PROMPTS[:4], SamplingParams(temperature=1.0, seed=1234, max_tokens=20, ignore_eos=True))]
     assert other != first
+
+
+def test_sampled_rows_drawn_on_several_threads_are_the_rows_drawn_on_one(make_engine):
+    """The picker shares a step's sampled rows out between threads (each row's draw is its own
+    sampler's): the tokens are those one thread draws, and a sampler that raises fails its own
+    sequence only, on whichever thread it ran."""
+    from llamabatch.engine.picker import Picker
+
+    kinds = [SamplingParams(temperature=0.9, top_p=0.9, top_k=0), SamplingParams(temperature=1.2, repeat_penalty=1.3),
+             SamplingParams(temperature=0.7, typical_p=0.8), SamplingParams(temperature=0.8, min_p=0.1)]  # typical_p: llama.cpp's chain
+    params = [replace(kinds[i % 4], seed=i, max_tokens=16, ignore_eos=True) for i in range(12)]
+    runs = []
+    for n_threads in (1, 3):
+        engine = make_engine(n_parallel=12, n_ctx=12 * 256)
+        engine.stepper.picker.close()
+        engine.stepper.picker = Picker(engine.grammars, engine.runtime.scratch, n_threads)
+        sequences = engine.submit([f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(12)], params)
+        broken = sequences[5].sampler
+        broken.sample = lambda *args: 1 / 0  # noqa: ARG005 - its draw fails, at once
+        while engine.has_work:
+            engine.step()
+        engine.stepper.picker.close()
+        runs.append([(s.tokens[s.n_prompt:], s.finish_reason) for s in sequences])
+    assert runs[0] == runs[1]
+    assert runs[0][5] == ([], "error") and all(reason == "length" for _, reason in runs[0][:5] + runs[0][6:])
 
 
 def test_top_k_one_samples_the_greedy_token(make_engine):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -14,15 +15,29 @@ from .truncation import Scratch
 # What pick() gives a sequence: its token; None when nothing is drawn for it here (it verifies
 # drafts, or asked for no tokens); the exception its sampler raised.
 Pick = int | None | Exception
+_LATER = object()  # a sampled row's place in the picks until its draw is made
+
+# Sampled rows are drawn on this many threads at most, each with a share of at least this many
+# rows: a draw is mostly numpy passes over the row, which leave the GIL, and the cores that ran
+# llama_decode are idle meanwhile.
+MIN_ROWS_A_THREAD = 4
 
 
 class Picker:
     """Greedy rows from one argmax over all rows, the others by their own samplers
-    (sampling.RowSampler, chain.ChainSampler), constrained rows after their masks, with the
-    log-probabilities asked for beside."""
+    (sampling.RowSampler, chain.ChainSampler) on up to `n_threads` threads, constrained rows
+    after their masks, with the log-probabilities asked for beside. close() stops the threads."""
 
-    def __init__(self, grammars: Grammars, scratch: Scratch) -> None:
+    def __init__(self, grammars: Grammars, scratch: Scratch, n_threads: int = 1) -> None:
         self.grammars, self.scratch = grammars, scratch
+        self.n_threads = max(1, n_threads)
+        # Every thread but the caller's has scratch buffers of its own; its samplers are its rows'.
+        self._scratches = [Scratch(len(scratch.values)) for _ in range(self.n_threads - 1)]
+        self._pool = ThreadPoolExecutor(self.n_threads - 1, "llamabatch-sampling") if self.n_threads > 1 else None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
 
     def pick(self, due: list[Sequence], rows: list[int] | range, logits: np.ndarray) -> list[Pick]:
         """due[k]'s pick from row rows[k]. A sampler that fails fails its own pick only."""
@@ -30,23 +45,38 @@ class Picker:
         shared = set() if isinstance(rows, range) else {r for r, k in Counter(rows).items() if k > 1}
         raw = self._mask_constrained(due, rows, shared, logits)
         best = logits.argmax(axis=1).tolist() if any(s.sampler.greedy for s in due) else None
-        # Plain greedy rows (most of them, most steps) inline; any other row goes through _pick.
-        return [
-            best[r] if seq.sampler.greedy and not (seq.special or seq.draft) else self._pick(seq, r, shared, best, raw, logits)
+        # Plain greedy rows (most of them, most steps) inline; plain sampled ones drawn together
+        # below; any other row (constrained, drafting, with log-probabilities) through _pick_special.
+        picks = [
+            (best[r] if seq.sampler.greedy else _LATER) if not (seq.special or seq.draft)
+            else self._pick_special(seq, r, shared, best, raw, logits)
             for seq, r in zip(due, rows)
         ]
+        sampled = [(seq, logits[r], k) for k, (seq, r, p) in enumerate(zip(due, rows, picks)) if p is _LATER]
+        if sampled:
+            self._draw(sampled, picks)
+        return picks
 
-    def _pick(self, seq: Sequence, r: int, shared: set[int], best: list[int] | None,
-              raw: dict[int, np.ndarray], logits: np.ndarray) -> Pick:
+    def _draw(self, sampled: list[tuple[Sequence, np.ndarray, int]], picks: list[Pick]) -> None:
+        """Each sampled row's draw into picks, the rows shared out between the threads. A draw
+        depends only on its row and its own sampler, so the threads change no token."""
+        n = min(self.n_threads, len(sampled) // MIN_ROWS_A_THREAD) or 1
+        shares = [sampled[i::n] for i in range(n)]
+        scratches = [self.scratch, *self._scratches]
+        waiting = [self._pool.submit(_draw_share, share, scratch, picks) for share, scratch in zip(shares[1:], scratches[1:])]
+        _draw_share(shares[0], self.scratch, picks)
+        for done in waiting:
+            done.result()
+
+    def _pick_special(self, seq: Sequence, r: int, shared: set[int], best: list[int] | None,
+                      raw: dict[int, np.ndarray], logits: np.ndarray) -> Pick:
         try:
-            if seq.special or seq.draft:
-                return self._pick_special(seq, r, shared, best, raw, logits)
-            return seq.sampler.sample(logits[r], seq.tokens, self.scratch)
+            return self._special(seq, r, shared, best, raw, logits)
         except Exception as e:  # noqa: BLE001 - its failure, not its neighbours'
             return e
 
-    def _pick_special(self, seq: Sequence, r: int, shared: set[int], best: list[int] | None,
-                      raw: dict[int, np.ndarray], logits: np.ndarray) -> int | None:
+    def _special(self, seq: Sequence, r: int, shared: set[int], best: list[int] | None,
+                 raw: dict[int, np.ndarray], logits: np.ndarray) -> int | None:
         if seq.params.max_tokens == 0 or seq.draft:
             return None
         if seq.forced:  # a thought closed for it: the close is written, whatever the row says
@@ -77,3 +107,11 @@ class Picker:
             return int(row.argmax()) if seq.sampler.greedy else seq.sampler.sample(row, seq.tokens, self.scratch)
         finally:
             row[:] = original
+
+
+def _draw_share(share: list[tuple[Sequence, np.ndarray, int]], scratch: Scratch, picks: list[Pick]) -> None:
+    for seq, row, k in share:
+        try:
+            picks[k] = seq.sampler.sample(row, seq.tokens, scratch)
+        except Exception as e:  # noqa: BLE001 - its failure, not its neighbours'
+            picks[k] = e
