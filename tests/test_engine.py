@@ -191,6 +191,7 @@ def test_sampled_rows_drawn_on_several_threads_are_the_rows_drawn_on_one(make_en
         broken.sample = lambda *args: 1 / 0  # noqa: ARG005 - its draw fails, at once
         while engine.has_work:
             engine.step()
+        assert engine.scheduler.n_sampled == 0  # counted in as each was admitted, out as each ended
         engine.stepper.picker.close()
         runs.append([(s.tokens[s.n_prompt:], s.finish_reason) for s in sequences])
     assert runs[0] == runs[1]

@@ -39,8 +39,9 @@ class Picker:
         if self._pool is not None:
             self._pool.shutdown()
 
-    def pick(self, due: list[Sequence], rows: list[int] | range, logits: np.ndarray) -> list[Pick]:
-        """due[k]'s pick from row rows[k]. A sampler that fails fails its own pick only."""
+    def pick(self, due: list[Sequence], rows: list[int] | range, logits: np.ndarray, draws: bool = True) -> list[Pick]:
+        """due[k]'s pick from row rows[k] (`draws`: whether any may draw; False spares a greedy
+        step a pass over its rows). A sampler that fails fails its own pick only."""
         # Followers sampling from their leader's row share it (never in a plain step: rows is a range).
         shared = set() if isinstance(rows, range) else {r for r, k in Counter(rows).items() if k > 1}
         raw = self._mask_constrained(due, rows, shared, logits)
@@ -52,9 +53,10 @@ class Picker:
             else self._pick_special(seq, r, shared, best, raw, logits)
             for seq, r in zip(due, rows)
         ]
-        sampled = [(seq, logits[r], k) for k, (seq, r, p) in enumerate(zip(due, rows, picks)) if p is _LATER]
-        if sampled:
-            self._draw(sampled, picks)
+        if draws:
+            sampled = [(seq, logits[r], k) for k, (seq, r, p) in enumerate(zip(due, rows, picks)) if p is _LATER]
+            if sampled:
+                self._draw(sampled, picks)
         return picks
 
     def _draw(self, sampled: list[tuple[Sequence, np.ndarray, int]], picks: list[Pick]) -> None:

@@ -149,6 +149,7 @@ class Scheduler:
         self.policy = policy
         self.waiting = WaitingQueue(policy)
         self.running: list[Sequence] = []
+        self.n_sampled = 0  # running sequences that draw (not greedy): a greedy step skips looking for them
         self._free: dict[int, Slot] = {i: Slot(i) for i in range(n_slots)}  # seq_id -> free slot
         self._free_ids = list(range(n_slots))  # a heap of free seq_ids (and some taken since: skipped)
         self._slots: dict[int, Slot] = {}  # seq_id -> slot of each running sequence
@@ -189,6 +190,7 @@ class Scheduler:
                 if self.share_prefixes or self.batch_invariant:
                     self._follow_a_leader(seq)
             self.running.append(seq)
+            self.n_sampled += seq.draws
             admitted.append(seq)
         return admitted
 
@@ -409,6 +411,7 @@ class Scheduler:
 
     def _give_back_slot(self, seq: Sequence) -> Slot:
         self.running.remove(seq)
+        self.n_sampled -= seq.draws
         self._leaders.remove(seq)
         if seq.leader is not None:  # it never got its prefix
             seq.leader.followers.remove(seq)

@@ -98,6 +98,11 @@ class Sequence:
         return len(self.tokens) - self.n_prompt
 
     @property
+    def draws(self) -> bool:
+        """Its sampler draws its tokens (it is not the step's greedy argmax)."""
+        return self.sampler is not None and not self.sampler.greedy
+
+    @property
     def n_pending(self) -> int:
         """Tokens not yet in the KV cache: the rest of the prompt, or the last sampled token."""
         return len(self.tokens) - self.n_past
