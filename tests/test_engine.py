@@ -184,15 +184,14 @@ def test_sampled_rows_drawn_on_several_threads_are_the_rows_drawn_on_one(make_en
     runs = []
     for n_threads in (1, 3):
         engine = make_engine(n_parallel=12, n_ctx=12 * 256)
-        engine.stepper.picker.close()
-        engine.stepper.picker = Picker(engine.grammars, engine.runtime.scratch, n_threads)
+        engine.picker.close()
+        engine.picker = engine.stepper.picker = Picker(engine.grammars, engine.runtime.scratch, n_threads)
         sequences = engine.submit([f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(12)], params)
         broken = sequences[5].sampler
         broken.sample = lambda *args: 1 / 0  # noqa: ARG005 - its draw fails, at once
         while engine.has_work:
             engine.step()
         assert engine.scheduler.n_sampled == 0  # counted in as each was admitted, out as each ended
-        engine.stepper.picker.close()
         runs.append([(s.tokens[s.n_prompt:], s.finish_reason) for s in sequences])
     assert runs[0] == runs[1]
     assert runs[0][5] == ([], "error") and all(reason == "length" for _, reason in runs[0][:5] + runs[0][6:])

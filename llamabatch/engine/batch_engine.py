@@ -69,7 +69,8 @@ class BatchEngine:
         self.intake = Intake(cfg, runtime, self.scheduler, self.grammars)
         self.slots = SlotCache(self.memory, self.scheduler, self.prompt_cache, self.stats)
         self.post = Postprocessor(cfg, self.vocab, self.memory, self.scheduler, self.stats)
-        self.stepper = Stepper(cfg, runtime, self.scheduler, self.slots, Picker(self.grammars, runtime.scratch, cfg.n_threads), self.post, self.stats)
+        self.picker = Picker(self.grammars, runtime.scratch, cfg.n_threads)  # its sampling threads are closed with the engine
+        self.stepper = Stepper(cfg, runtime, self.scheduler, self.slots, self.picker, self.post, self.stats)
 
     def _scheduler(self) -> Scheduler:
         cfg, float_weights = self.config, self.model.float_weights
@@ -239,7 +240,7 @@ class BatchEngine:
     def close(self) -> None:
         """Free the samplers of unfinished sequences, keep the slots' prompts where the prompt
         cache has a disk tier (they outlive the process), then every native handle (Runtime.close)."""
-        self.stepper.picker.close()
+        self.picker.close()
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             seq.close_samplers()
         cache = self.prompt_cache

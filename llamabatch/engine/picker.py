@@ -32,8 +32,8 @@ class Picker:
     def __init__(self, grammars: Grammars, scratch: Scratch, n_threads: int = 1) -> None:
         self.grammars, self.scratch = grammars, scratch
         self.n_threads = max(1, n_threads)
-        # Every thread but the caller's has scratch buffers of its own; its samplers are its rows'.
-        self._scratches = [Scratch(len(scratch.values)) for _ in range(self.n_threads - 1)]
+        # Scratch buffers a thread each (the caller's first); a row's sampler is its own.
+        self._scratches = [scratch, *(Scratch(len(scratch.values)) for _ in range(self.n_threads - 1))]
         self._pool = ThreadPoolExecutor(self.n_threads - 1, "llamabatch-sampling") if self.n_threads > 1 else None
 
     def close(self) -> None:
@@ -65,8 +65,7 @@ class Picker:
         depends only on its row and its own sampler, so the threads change no token."""
         n = min(self.n_threads, len(sampled) // MIN_ROWS_A_THREAD) or 1
         shares = [sampled[i::n] for i in range(n)]
-        scratches = [self.scratch, *self._scratches]
-        waiting = [self._pool.submit(_draw_share, share, scratch, picks) for share, scratch in zip(shares[1:], scratches[1:])]
+        waiting = [self._pool.submit(_draw_share, share, scratch, picks) for share, scratch in zip(shares[1:], self._scratches[1:])]
         _draw_share(shares[0], self.scratch, picks)
         for done in waiting:
             done.result()

@@ -46,6 +46,7 @@ class Postprocessor:
             return self.finish(seq, token, text, "stop")
         if len(seq.tokens) >= seq.max_len:
             return self.finish(seq, token, text, "length")
+        # event(seq, token, text), inline: this line runs for every token of every sequence
         return Event(seq.index, token, text, None, None, seq.sample, seq.uid, seq.logprobs[-1] if seq.logprobs else None)
 
     def finish(self, seq: Sequence, token: int | None, text: str, reason: str, error: str | None = None) -> Event:
