@@ -499,3 +499,25 @@ def test_a_model_llamabatch_cannot_run_is_refused_with_the_reason_on_every_path(
     for command in (["run", "-m", str(model), "-p", "hi"], ["plan", "-m", str(model), "--memory", "1GiB"]):
         result = CliRunner().invoke(app, command)
         assert result.exit_code == 1 and reason in result.output, (command, result.output)
+
+
+def test_sampled_decoding_on_several_threads_draws_what_one_thread_draws(family):
+    """Seeded sampling (top-p, penalties, min-p) on each family: a step's rows drawn on three
+    threads give the tokens one thread gives, and every sequence runs to its length."""
+    from dataclasses import replace
+
+    from llamabatch.engine.picker import Picker
+
+    _, model = family
+    kinds = [SamplingParams(temperature=0.9, top_p=0.9, top_k=0), SamplingParams(temperature=1.1, repeat_penalty=1.2),
+             SamplingParams(temperature=0.8, min_p=0.1)]
+    params = [replace(kinds[i % 3], seed=i, max_tokens=12, ignore_eos=True) for i in range(8)]
+    runs = []
+    for n_threads in (1, 3):
+        with engine_on(model, n_parallel=8) as engine:
+            engine.picker.close()
+            engine.picker = engine.stepper.picker = Picker(engine.grammars, engine.runtime.scratch, n_threads)
+            sequences = drain(engine, engine.submit([f"{SYSTEM[:60]} {i}" for i in range(8)], params))
+            runs.append([(s.tokens[s.n_prompt:], s.finish_reason) for s in sequences])
+    assert runs[0] == runs[1]
+    assert all(len(tokens) == 12 and reason == "length" for tokens, reason in runs[0])
