@@ -106,6 +106,23 @@ def test_the_distribution_is_the_truncations_and_llama_cpps(shape, top_k, top_p,
         assert np.allclose(mine / mine.sum(), llamas / llamas.sum(), rtol=1e-3, atol=1e-9)
 
 
+@pytest.mark.parametrize("top_k, top_p, min_p, temperature", TRUNCATIONS)
+def test_tied_logits_rank_by_token_id(top_k, top_p, min_p, temperature):
+    """Logits rounded to tenths: thousands of ties (and -0.0 beside 0.0) in candidate sets both
+    small and past the size ranked by 64-bit keys. Tied tokens rank in id order, as a stable sort
+    of the vocabulary puts them (llama.cpp's own sorts leave ties in no set order)."""
+    rng = np.random.default_rng(17)
+    for _ in range(3):
+        logits = np.round(rng.standard_normal(50_000) * 2, 1).astype(np.float32)
+        ids, _ = distribution(logits, SamplingParams(top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature),
+                              Scratch(len(logits)))
+        exact = exact_candidates(logits, top_k, top_p, min_p)
+        if len(exact) < len(logits):
+            n = min(len(ids), len(exact))
+            assert ids[:n].tolist() == exact[:n]
+            assert abs(len(ids) - len(exact)) <= 1
+
+
 def test_draws_follow_the_distribution_and_a_seed_repeats_them():
     rng = np.random.default_rng(5)
     logits = (rng.standard_normal(5_000) * 2).astype(np.float32)

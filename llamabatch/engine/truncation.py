@@ -4,9 +4,13 @@ logits, and a draw from it, found without sorting the vocabulary.
 llama.cpp's chain copies the whole vocabulary into candidates, softmaxes it and, for a top-p
 whose nucleus passes 256 tokens, sorts all of it: about 5 ms a row for Gemma's 262,144 tokens.
 Here the candidates are looked for within a band below the best logit, widened until it holds
-them, and only those are sorted; passes over the whole row are a handful of vector operations
-into buffers reused from row to row (a fresh megabyte per row costs more in page faults than the
-arithmetic).
+them, and only those are ranked. A band is searched for only in the blocks of the row whose best
+logit reaches it (one pass finds every block's best), so a top-k reads the whole row about once;
+a top-p a few times more, as its total needs every token's weight. Whole-row passes write into
+buffers reused from row to row (a fresh megabyte per row costs more in page faults than the
+arithmetic). On 256 of Gemma 3's own rows (AMD EPYC) the blocks and the ranking took a row at
+top-p 0.95 without top-k from 465 to 374 us, at top-k 40 from 181 to 158 us; the first pass over
+a row the decode just wrote, from memory, is about half of the latter.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ _BANDS = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 # float32's exp underflows (to slow denormals, then 0) past -87: a token whose tempered logit is
 # that far below the best one cannot be drawn (its weight would be under 1e-38 of the best's).
 _EXP_RANGE = np.float32(87.0)
+# Tokens a block: a band's tokens are looked for in the blocks whose best logit is within it.
+_BLOCK = 1024
+# Up to this many ids are ranked by a stable argsort, more by a sort of 64-bit keys (_ranked).
+_SMALL_SORT = 512
 # A draw from many weights goes by blocks: the block holding the draw from the blocks' sums, then
 # the token within it, instead of a running sum over the whole vocabulary.
 _DRAW_BLOCK = 1024
@@ -69,16 +77,56 @@ def candidates(logits: np.ndarray, params: Truncation, scratch: Scratch) -> np.n
     terms, so its nucleus may end a few tokens before this one, on the same ranking (measured on
     Gemma 3's own rows at top_p 0.95: in 58% of them, 1 to 21 tokens holding 0.03% of the
     probability in the median, 0.15% at most)."""
-    best = logits.max()
+    row = _Row(logits)
     ids = None
     if 0 < params.top_k < len(logits):
-        ids = _within_band(logits, best, lambda top: len(top) >= params.top_k, scratch)[: params.top_k]
+        ids = _within_band(row, lambda top: len(top) >= params.top_k, scratch)[: params.top_k]
     if params.top_p < 1:
-        ids = _nucleus(logits, best, ids, params.top_p, scratch)
+        ids = _nucleus(row, ids, params.top_p, scratch)
     if params.min_p > 0:  # p >= min_p * p_max over what is left, whose best is the row's best
-        floor = best + np.log(np.float32(params.min_p))
-        ids = _above(logits, floor, scratch) if ids is None else ids[logits[ids] >= floor]
+        floor = row.best + np.log(np.float32(params.min_p))
+        ids = row.above(floor, scratch) if ids is None else ids[logits[ids] >= floor]
     return ids
+
+
+class _Row:
+    """A row of logits with the best logit of each of its blocks (the last may be shorter)."""
+
+    def __init__(self, logits: np.ndarray) -> None:
+        self.logits = logits
+        self.n_whole = len(logits) // _BLOCK
+        self.blocks = logits[: self.n_whole * _BLOCK].reshape(self.n_whole, _BLOCK)
+        self.maxima = self.blocks.max(axis=1) if self.n_whole else np.empty(0, np.float32)
+        if len(logits) > self.n_whole * _BLOCK:
+            self.maxima = np.append(self.maxima, logits[self.n_whole * _BLOCK :].max())
+        self.best = self.maxima.max()
+
+    def above(self, floor: float, scratch: Scratch, ranked: bool = True) -> np.ndarray:
+        """Ids of the tokens whose logit is >= floor, highest first (ties in id order) when
+        `ranked`, else in id order."""
+        logits = self.logits
+        reaching = np.flatnonzero(self.maxima >= floor)
+        if len(reaching) * 4 > len(self.maxima):  # most blocks: one pass over the row
+            ids = np.flatnonzero(np.greater_equal(logits, floor, out=scratch.mask))
+        else:
+            whole = reaching[reaching < self.n_whole]
+            at = np.flatnonzero(self.blocks[whole] >= floor)
+            ids = whole[at // _BLOCK] * _BLOCK + at % _BLOCK
+            if len(whole) < len(reaching):  # the shorter last block
+                start = self.n_whole * _BLOCK
+                ids = np.concatenate([ids, start + np.flatnonzero(logits[start:] >= floor)])
+        return _ranked(ids, logits[ids]) if ranked else ids
+
+
+def _ranked(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Ids (ascending) by their values, highest first, ties in id order. Past a few hundred, one
+    sort of 64-bit keys (the value's order in the high half, the id in the low half) beats a
+    stable argsort of the values by up to 12x (5,000 ids: 22 against 165 us)."""
+    if len(ids) <= _SMALL_SORT:
+        return ids[np.argsort(-values, kind="stable")]
+    bits = (np.float32(0) - values).view(np.int32)  # 0 - v: no -0.0, which would not tie with 0.0
+    order = np.where(bits < 0, bits ^ np.int32(0x7FFFFFFF), bits).astype(np.int64)  # as the floats order
+    return np.sort((order << 32) | ids) & 0xFFFFFFFF
 
 
 def _weights(logits: np.ndarray, temperature: float, out: np.ndarray | None = None) -> np.ndarray:
@@ -103,34 +151,31 @@ def _pick(weights: np.ndarray, u: float) -> int:
     return start + min(int(np.searchsorted(inside, target, side="right")), len(inside) - 1)
 
 
-def _above(logits: np.ndarray, floor: float, scratch: Scratch) -> np.ndarray:
-    """Ids of the tokens whose logit is >= floor, highest first (ties in id order)."""
-    ids = np.flatnonzero(np.greater_equal(logits, floor, out=scratch.mask))
-    return ids[np.argsort(-logits[ids], kind="stable")]
-
-
-def _within_band(logits: np.ndarray, best: float, enough: Callable[[np.ndarray], bool], scratch: Scratch) -> np.ndarray:
-    """The tokens of the narrowest band below `best` that is `enough`, highest first."""
+def _within_band(row: _Row, enough: Callable[[np.ndarray], bool], scratch: Scratch) -> np.ndarray:
+    """The tokens of the narrowest band below the best logit that is `enough`, highest first."""
     for band in _BANDS:
-        top = _above(logits, best - band, scratch)
+        top = row.above(row.best - band, scratch)
         if enough(top):
             return top
-    return _above(logits, -np.inf, scratch)
+    return row.above(-np.inf, scratch)
 
 
-def _nucleus(logits: np.ndarray, best: np.float32, ids: np.ndarray | None, top_p: float, scratch: Scratch) -> np.ndarray:
+def _nucleus(row: _Row, ids: np.ndarray | None, top_p: float, scratch: Scratch) -> np.ndarray:
     """Top-p as llama.cpp defines it: the candidates' softmax (all tokens, or top-k's), then the
     most likely until their probabilities add up to top_p (at least one)."""
+    logits, best = row.logits, row.best
     if ids is not None:
         weights = np.exp(logits[ids] - best).astype(np.float64)
         running = np.cumsum(weights) / weights.sum()
         return ids[: min(int(np.searchsorted(running, top_p, side="left")), len(ids) - 1) + 1]
     weights = np.exp(np.subtract(logits, best, out=scratch.values), out=scratch.values)  # untempered: no underflow to fear
     total = weights.sum(dtype=np.float64)
-    for band in (*_BANDS, np.inf):
-        top = _above(logits, best - band, scratch)
-        running = np.cumsum(weights[top], dtype=np.float64) / total
-        at = int(np.searchsorted(running, top_p, side="left"))
-        if at < len(top) or band == np.inf:
-            return top[: min(at, len(top) - 1) + 1]
-    raise AssertionError("unreachable: the last band holds every token")
+    for band in _BANDS:  # the narrowest band holding top_p of the mass (summed before it is ranked)
+        top = row.above(best - band, scratch, ranked=False)
+        if weights[top].sum(dtype=np.float64) >= top_p * total:
+            break
+    else:
+        top = np.arange(len(logits))
+    top = _ranked(top, logits[top])
+    running = np.cumsum(weights[top], dtype=np.float64) / total
+    return top[: min(int(np.searchsorted(running, top_p, side="left")), len(top) - 1) + 1]
