@@ -1,5 +1,10 @@
 """llamabatch: true batched inference for llama.cpp from Python."""
 
+from .openmp import short_spin
+
+with short_spin():
+    import llama_cpp  # noqa: F401 - first, so that libgomp loads with the short spin
+
 from .engine import BatchEngine, Event, Result, RunStats, SamplingParams, Timings
 from .errors import ConfigError, ConstraintError, DecodeError, EngineBroken, LlamabatchError, ModelError, PromptError, SamplingError
 

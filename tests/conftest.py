@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import httpx
-import llama_cpp
 import pytest
 import uvicorn
 
-from llamabatch import BatchEngine
+from llamabatch import BatchEngine  # before llama_cpp: llamabatch loads it (llamabatch.openmp)
+import llama_cpp
 from llamabatch.serve.app import ServerSettings, create_app
 from llamabatch.serve.shutdown import Server
 

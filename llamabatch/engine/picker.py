@@ -18,9 +18,8 @@ Pick = int | None | Exception
 _LATER = object()  # a sampled row's place in the picks until its draw is made
 
 # Sampled rows are shared out between threads, each with at least this many: a draw is mostly
-# numpy passes over the row, which leave the GIL. (On a CPU build llama.cpp's OpenMP threads spin
-# on their cores for a while after each decode, which holds the gain down: 17.0 -> 14.7 ms a
-# step for 32 of Gemma 3's rows on 2 cores; 13 -> 9 ms when the cores are free.)
+# numpy passes over the row, which leave the GIL. On a CPU build the other threads find their
+# cores free only because llama.cpp's OpenMP threads sleep soon after a decode (llamabatch.openmp).
 MIN_ROWS_A_THREAD = 4
 
 
