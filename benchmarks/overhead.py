@@ -2,8 +2,9 @@
 
 The tiny model decodes ~100x faster than Gemma 3 270M, so what is not llama_decode (building the
 batch, reading logits, sampling, bookkeeping) shows, as a GPU would show it. Each round runs
-`llamabatch sweep --baseline native` in a fresh process: within it, llama-batched-bench (built by
-scripts/build_native.sh, same llama.cpp) runs beside each batch size with the same settings.
+`llamabatch sweep --baseline native` in a fresh process for each batch size B, so that the engine
+has B sequence slots as llama-batched-bench does: within it, llama-batched-bench (built by
+scripts/build_native.sh, same llama.cpp) runs beside it with the same settings.
 `--before DIR` (another checkout) runs its sweep too, alternating with this one.
 
 Then, in this process, each step of a greedy run is split into the time inside llama_decode and
@@ -28,6 +29,7 @@ from llamabatch.measure.sweep import SweepSettings
 from .harness import ROOT, Spread, alternate, cli, json_lines, median, model_path, paired, run as run_command, tiny_model
 
 SMOKE = ["--rounds", "1", "--batch-sizes", "1,4", "--gen-tokens", "8"]
+SLOTS = (1, 64, 256)  # sequence slots of the context one sequence decodes in (the slot-pair check)
 
 
 def arguments(parser) -> None:
@@ -42,10 +44,11 @@ def arguments(parser) -> None:
                         help="the KV layout of both sides (default: the engine's, unified)")
 
 
-def step_split(model: str, b: int, args) -> tuple[float, float]:
-    """Microseconds per decode step of B greedy sequences (PP, TG as the sweep): inside
-    llama_decode, and outside it."""
-    context = SweepSettings(batch_sizes=(b,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens).context
+def step_split(model: str, b: int, args, slots: int | None = None) -> tuple[float, float]:
+    """Microseconds per decode step of B greedy sequences (PP, TG as the sweep) in an engine of
+    `slots` sequence slots (default B): inside llama_decode, and outside it."""
+    slots = slots or b
+    context = SweepSettings(batch_sizes=(slots,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens).context
     inside = [0.0, 0]
     real = native.llama_cpp.llama_decode
 
@@ -57,7 +60,7 @@ def step_split(model: str, b: int, args) -> tuple[float, float]:
             inside[0] += time.perf_counter() - started
             inside[1] += 1
 
-    with BatchEngine(model, n_parallel=b, n_ctx=context, n_threads=args.threads, kv_unified=args.kv_unified) as engine:
+    with BatchEngine(model, n_parallel=slots, n_ctx=context, n_threads=args.threads, kv_unified=args.kv_unified) as engine:
         prompts = [[1 + (i * 7 + k) % 200 for k in range(args.prompt_tokens)] for i in range(b)]
         params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True)
         engine.generate(prompts, params)  # warm
@@ -84,14 +87,21 @@ def run(args, report) -> None:
         model = str(model_path(args.model)) if args.model else str(tiny_model(Path(tmp)))
 
         def sweep(tree: Path):
-            command = cli("sweep", "--model", model, "--batch-sizes", args.batch_sizes, "--baseline", "native", "--json",
-                          "--threads", args.threads, "--prompt-tokens", args.prompt_tokens, "--gen-tokens", args.gen_tokens,
-                          *({True: ["--kv-unified"], False: ["--no-kv-unified"]}.get(args.kv_unified, [])))
+            # A sweep a batch size, so that the engine has B sequence slots, as llama-batched-bench
+            # has for B: llama.cpp checks every pair of slots at each decode (2 us a step for 64).
+            commands = [cli("sweep", "--model", model, "--batch-sizes", b, "--baseline", "native", "--json", "--threads", args.threads,
+                            "--prompt-tokens", args.prompt_tokens, "--gen-tokens", args.gen_tokens,
+                            *({True: ["--kv-unified"], False: ["--no-kv-unified"]}.get(args.kv_unified, []))) for b in sizes]
             path = os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])  # this tree's llamabatch first
-            return lambda: {p["batch_size"]: p for p in json_lines(run_command(command, env={"PYTHONPATH": path}, cwd=tree)[1])}
+            return lambda: {p["batch_size"]: p for command in commands
+                            for p in json_lines(run_command(command, env={"PYTHONPATH": path}, cwd=tree)[1])}
 
         runs = alternate({name: sweep(tree) for name, tree in trees.items()}, args.rounds, label="sweeps")
         split = {b: [step_split(model, b, args) for _ in range(args.rounds)] for b in sizes}
+        by_slots = {n: [] for n in SLOTS}
+        for _ in range(args.rounds):
+            for n in SLOTS:
+                by_slots[n].append(step_split(model, 1, args, slots=n)[0])
     rows = []
     for b in sizes:
         native_s_tg = median([r[b]["native_s_tg"] for side in runs.values() for r in side])
@@ -116,3 +126,10 @@ def run(args, report) -> None:
     )
     for b in sizes:
         report.figure(f"python_us_per_step_b{b}", Spread.of([x[1] for x in split[b]]))
+    report.table(
+        "One sequence's llama_decode against the sequence slots of its context (µs per step)",
+        ["slots (--parallel)", "inside llama_decode", f"over {SLOTS[0]} slot"],
+        [[n, Spread.of(by_slots[n]), paired(by_slots[n], by_slots[SLOTS[0]])] for n in SLOTS],
+        "llama.cpp checks every pair of a context's sequence slots at each decode (llama_batch_allocr::init), "
+        "so a step's fixed cost grows with the square of --parallel, in llama-server as in llamabatch.",
+    )
