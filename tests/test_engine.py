@@ -197,6 +197,25 @@ def test_sampled_rows_drawn_on_several_threads_are_the_rows_drawn_on_one(make_en
     assert runs[0][5] == ([], "error") and all(reason == "length" for _, reason in runs[0][:5] + runs[0][6:])
 
 
+def test_a_plain_greedy_step_picks_the_argmax_as_a_step_with_special_rows_does(make_engine):
+    """A step whose rows are all plain greedy takes its picks from one argmax over the logits,
+    skipping the picker's passes over the rows; a step with a sequence that reports
+    log-probabilities (a special one) goes the general way. The same batch both ways gives the
+    same tokens, and the counts the shortcut is chosen by return to 0."""
+    runs = []
+    for logprobs in (None, 2):
+        engine = make_engine(n_parallel=4)
+        params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 3
+        params.append(SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=logprobs))  # ends first
+        sequences = engine.submit(PROMPTS[:4], params)
+        while engine.has_work:
+            engine.step()
+        assert (engine.scheduler.n_special, engine.scheduler.n_sampled) == (0, 0)
+        assert len(sequences[3].logprobs) == (5 if logprobs else 0)
+        runs.append([s.tokens[s.n_prompt:] for s in sequences])
+    assert runs[0] == runs[1]
+
+
 def test_top_k_one_samples_the_greedy_token(make_engine):
     engine = make_engine()
     greedy = engine.generate(PROMPTS[:4], GREEDY)

@@ -102,7 +102,10 @@ def init_backend(verbose: bool = False) -> None:
 
 def _awaiting_backends(call, *args):
     """A call that may wait on the backends (decoding, or reading its outputs, which waits for
-    the decode to finish): timed, so that a remote which never answers is caught (rpc.guard)."""
+    the decode to finish): timed, while a model is on remotes, so that a remote which never
+    answers is caught (rpc.guard)."""
+    if not rpc_guard.endpoints:  # nothing remote to watch: every step's decode comes this way
+        return call(*args)
     rpc_guard.since = time.monotonic()
     try:
         return call(*args)

@@ -150,6 +150,7 @@ class Scheduler:
         self.waiting = WaitingQueue(policy)
         self.running: list[Sequence] = []
         self.n_sampled = 0  # running sequences that draw (not greedy): a greedy step skips looking for them
+        self.n_special = 0  # running sequences sampled otherwise than by their sampler alone (Sequence.special)
         self._free: dict[int, Slot] = {i: Slot(i) for i in range(n_slots)}  # seq_id -> free slot
         self._free_ids = list(range(n_slots))  # a heap of free seq_ids (and some taken since: skipped)
         self._slots: dict[int, Slot] = {}  # seq_id -> slot of each running sequence
@@ -191,6 +192,7 @@ class Scheduler:
                     self._follow_a_leader(seq)
             self.running.append(seq)
             self.n_sampled += seq.draws
+            self.n_special += seq.special
             admitted.append(seq)
         return admitted
 
@@ -412,6 +414,7 @@ class Scheduler:
     def _give_back_slot(self, seq: Sequence) -> Slot:
         self.running.remove(seq)
         self.n_sampled -= seq.draws
+        self.n_special -= seq.special
         self._leaders.remove(seq)
         if seq.leader is not None:  # it never got its prefix
             seq.leader.followers.remove(seq)

@@ -246,7 +246,8 @@ class Stepper:
         verified; a sequence that asked for no tokens (max_tokens 0: its prompt was only scored)
         ends here. Each event joins `events` as it happens; a failure is its sequence's alone."""
         accept, add = self.post.accept, events.append  # bound once: the loop runs for every sequence
-        for seq, pick in zip(due, self.picker.pick(due, rows, logits, self.scheduler.n_sampled > 0)):
+        picks = self.picker.pick(due, rows, logits, self.scheduler.n_sampled > 0, self.scheduler.n_special > 0)
+        for seq, pick in zip(due, picks):
             try:
                 if type(pick) is int:
                     add(accept(seq, pick))
