@@ -16,15 +16,17 @@ between machines whose Python and whose matrix kernels differ in speed.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import tempfile
+import time
 from pathlib import Path
 
-import time
+import numpy as np
 
 from llamabatch import BatchEngine, SamplingParams
 from llamabatch.engine import native
-from llamabatch.measure.sweep import SweepSettings
+from llamabatch.measure.sweep import SweepSettings, native_run
 
 from .harness import ROOT, Spread, alternate, cli, json_lines, median, model_path, paired, run as run_command, tiny_model
 
@@ -42,6 +44,47 @@ def arguments(parser) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=None,
                         help="the KV layout of both sides (default: the engine's, unified)")
+
+
+def bare_loop(model: str, b: int, args) -> list[float]:
+    """The floor of any Python engine over llama-cpp-python: S_TG of a loop of bare ctypes calls
+    (decode B rows, read the logits, one numpy argmax, write the tokens and positions back; no
+    bookkeeping at all) over native's, a ratio each round, native run beside it."""
+    settings = SweepSettings(batch_sizes=(b,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
+    llama_cpp, ratios = native.llama_cpp, []
+    with BatchEngine(model, n_parallel=b, n_ctx=settings.context, n_threads=args.threads, kv_unified=args.kv_unified) as engine:
+        ctx, n_vocab, n_batch = engine.ctx.handle, engine.vocab.n_vocab, engine.ctx.n_batch  # the engine's context, never stepped
+        batch = llama_cpp.llama_batch_init(max(b, n_batch), 0, 1)
+        try:
+            token, pos, logits = (np.ctypeslib.as_array(a, shape=(max(b, n_batch),)) for a in (batch.token, batch.pos, batch.logits))
+            for _ in range(args.rounds):
+                theirs = native_run(engine, settings, b)["speed_tg"]
+                llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+                per_chunk = max(1, n_batch // args.prompt_tokens)  # whole prompts a prefill decode
+                for first in range(0, b, per_chunk):
+                    rows = [(s, p) for s in range(first, min(b, first + per_chunk)) for p in range(args.prompt_tokens)]
+                    for i, (s, p) in enumerate(rows):
+                        token[i], pos[i], batch.n_seq_id[i], batch.seq_id[i][0] = 1 + (s * 7 + p) % 200, p, 1, s
+                        logits[i] = p == args.prompt_tokens - 1
+                    batch.n_tokens = len(rows)
+                    if llama_cpp.llama_decode(ctx, batch) != 0:
+                        raise RuntimeError("the bare loop's prefill did not decode")
+                for s in range(b):
+                    batch.n_seq_id[s], batch.seq_id[s][0] = 1, s
+                token[:b], pos[:b], logits[:b] = 1, args.prompt_tokens, 1
+                batch.n_tokens = b
+                started = time.perf_counter()
+                for _ in range(args.gen_tokens):
+                    if llama_cpp.llama_decode(ctx, batch) != 0:
+                        raise RuntimeError("the bare loop's step did not decode")
+                    address = ctypes.addressof(llama_cpp.llama_get_logits(ctx).contents)
+                    rows = np.frombuffer((ctypes.c_float * (b * n_vocab)).from_address(address), np.float32).reshape(b, n_vocab)
+                    token[:b] = rows.argmax(axis=1)
+                    pos[:b] += 1
+                ratios.append(b * args.gen_tokens / (time.perf_counter() - started) / theirs)
+        finally:
+            llama_cpp.llama_batch_free(batch)
+    return ratios
 
 
 def step_split(model: str, b: int, args, slots: int | None = None) -> tuple[float, float]:
@@ -98,6 +141,7 @@ def run(args, report) -> None:
 
         runs = alternate({name: sweep(tree) for name, tree in trees.items()}, args.rounds, label="sweeps")
         split = {b: [step_split(model, b, args) for _ in range(args.rounds)] for b in sizes}
+        floor = {b: bare_loop(model, b, args) for b in sizes}
         by_slots = {n: [] for n in SLOTS}
         for _ in range(args.rounds):
             for n in SLOTS:
@@ -126,6 +170,16 @@ def run(args, report) -> None:
     )
     for b in sizes:
         report.figure(f"python_us_per_step_b{b}", Spread.of([x[1] for x in split[b]]))
+    report.table(
+        "The floor: a loop of bare ctypes calls against native (S_TG / native S_TG)",
+        ["B", "bare loop / native", "llamabatch / native (first table)"],
+        [[b, Spread.of(floor[b]), rows[k][-1]] for k, b in enumerate(sizes)],
+        "Each step decodes B rows, reads the logits and takes one numpy argmax, nothing else, in the engine's own "
+        "context; native runs beside it each round. What llama-cpp-python's ctypes calls and numpy cost a step "
+        "already, before any engine.",
+    )
+    for b in sizes:
+        report.figure(f"bare_loop_ratio_b{b}", Spread.of(floor[b]))
     report.table(
         "One sequence's llama_decode against the sequence slots of its context (µs per step)",
         ["slots (--parallel)", "inside llama_decode", f"over {SLOTS[0]} slot"],
