@@ -20,6 +20,7 @@ import ctypes
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -87,11 +88,13 @@ def bare_loop(model: str, b: int, args) -> list[float]:
     return ratios
 
 
-def step_split(model: str, b: int, args, slots: int | None = None) -> tuple[float, float]:
+def step_split(model: str, b: int, args, slots: int | None = None) -> tuple[float, float, float]:
     """Microseconds per decode step of B greedy sequences (PP, TG as the sweep) in an engine of
-    `slots` sequence slots (default B): inside llama_decode, and outside it."""
+    `slots` sequence slots (default B): inside llama_decode, outside it, and native's whole step
+    (llama-batched-bench run just before, as the host's speed drifts)."""
     slots = slots or b
-    context = SweepSettings(batch_sizes=(slots,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens).context
+    settings = SweepSettings(batch_sizes=(slots,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
+    context = settings.context
     inside = [0.0, 0]
     real = native.llama_cpp.llama_decode
 
@@ -107,6 +110,7 @@ def step_split(model: str, b: int, args, slots: int | None = None) -> tuple[floa
         prompts = [[1 + (i * 7 + k) % 200 for k in range(args.prompt_tokens)] for i in range(b)]
         params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True)
         engine.generate(prompts, params)  # warm
+        native_step = b / native_run(engine, replace(settings, batch_sizes=(b,)), b)["speed_tg"] * 1e6
         engine.drop_cached_prefixes()
         sequences = engine.submit(prompts, params)
         while any(s.t_first_token is None for s in sequences):  # the prefill, not counted
@@ -120,7 +124,7 @@ def step_split(model: str, b: int, args, slots: int | None = None) -> tuple[floa
         finally:
             native.llama_cpp.llama_decode = real
     steps = inside[1]
-    return inside[0] / steps * 1e6, (wall - inside[0]) / steps * 1e6
+    return inside[0] / steps * 1e6, (wall - inside[0]) / steps * 1e6, native_step
 
 
 def run(args, report) -> None:
@@ -163,10 +167,10 @@ def run(args, report) -> None:
     report.table(
         "Where a step goes (µs per decode step, this checkout, in process)",
         ["B", "inside llama_decode", "outside: llamabatch's Python", "native step (from its S_TG)", "outside per sequence"],
-        [[b, Spread.of([x[0] for x in split[b]]), Spread.of([x[1] for x in split[b]]),
-          b / median([r[b]["native_s_tg"] for side in runs.values() for r in side]) * 1e6,
+        [[b, Spread.of([x[0] for x in split[b]]), Spread.of([x[1] for x in split[b]]), Spread.of([x[2] for x in split[b]]),
           median([x[1] for x in split[b]]) / b] for b in sizes],
-        "The native step is B / native S_TG. Ours is the sum of the first two columns.",
+        "Ours is the sum of the first two columns. The native step is B / native S_TG, of llama-batched-bench "
+        "run just before each of ours.",
     )
     for b in sizes:
         report.figure(f"python_us_per_step_b{b}", Spread.of([x[1] for x in split[b]]))
