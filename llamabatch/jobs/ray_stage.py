@@ -75,8 +75,8 @@ class JobLines(Datasource):
 
 class BatchPredictor:
     """A Ray Data stage: `dataset.map_batches(BatchPredictor, fn_constructor_kwargs={...},
-    compute=ActorPoolStrategy(size=N, max_tasks_in_flight_per_actor=2), max_concurrency=2,
-    num_cpus=threads, batch_size=...)`. Rows are job-file lines (`line`, `text`: an OpenAI batch
+    compute=ActorPoolStrategy(size=N, max_tasks_in_flight_per_actor=2, max_concurrent_calls_per_actor=2,
+    enable_true_multi_threading=True), num_cpus=threads, batch_size=...)`. Rows are job-file lines (`line`, `text`: an OpenAI batch
     line, a llamabatch JSON line or a prompt); they come back as rows (`id`, `ok`, `record`: the
     JSON line `llamabatch batch` writes to the output, or to the error file when not ok, and
     token counts).
@@ -197,8 +197,11 @@ class RayBatchJob(Job):
                                    "base": None if self.format is Format.OPENAI else asdict(self.base),
                                    "incomplete_errors": self.incomplete_errors},
             batch_size=ROWS_PER_SLOT * self.parallel,
-            compute=ray.data.ActorPoolStrategy(size=replicas, max_tasks_in_flight_per_actor=BATCHES_IN_FLIGHT),
-            max_concurrency=BATCHES_IN_FLIGHT,
+            # Two calls an actor may run at once (Ray Data runs them one at a time unless told
+            # so), named as Ray 2.60 names them: max_concurrency in ray_remote_args goes in 2.64.
+            compute=ray.data.ActorPoolStrategy(size=replicas, max_tasks_in_flight_per_actor=BATCHES_IN_FLIGHT,
+                                               max_concurrent_calls_per_actor=BATCHES_IN_FLIGHT,
+                                               enable_true_multi_threading=True),
             num_cpus=threads,
             num_gpus=gpus,
         )
