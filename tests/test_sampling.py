@@ -1,3 +1,4 @@
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -121,6 +122,22 @@ def test_tied_logits_rank_by_token_id(top_k, top_p, min_p, temperature):
             n = min(len(ids), len(exact))
             assert ids[:n].tolist() == exact[:n]
             assert abs(len(ids) - len(exact)) <= 1
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p, temperature", [*TRUNCATIONS, (0, 1.0, 0.0, 1e60)])
+def test_a_row_with_every_token_banned_draws_token_0_quietly(top_k, top_p, min_p, temperature):
+    """A constraint that allows nothing leaves a row of -inf: there is nothing to draw, token 0
+    stands in (the constraint then refuses it, and the sequence fails with its reason), and numpy
+    warns of nothing. A temperature past float32's range flattens a row quietly too."""
+    params = SamplingParams(top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature, seed=3)
+    banned = np.full(5_000, -np.inf, dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert RowSampler(params, n_ctx=256).sample(banned, [], Scratch(len(banned))) == 0
+        ids, probs = distribution(banned, params, Scratch(len(banned)))
+        assert len(ids) == len(probs) == 0
+        row = np.random.default_rng(4).standard_normal(5_000).astype(np.float32)
+        assert 0 <= RowSampler(params, n_ctx=256).sample(row, [], Scratch(len(row))) < len(row)
 
 
 def test_draws_follow_the_distribution_and_a_seed_repeats_them():

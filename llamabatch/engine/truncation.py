@@ -34,6 +34,7 @@ _BANDS = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 # float32's exp underflows (to slow denormals, then 0) past -87: a token whose tempered logit is
 # that far below the best one cannot be drawn (its weight would be under 1e-38 of the best's).
 _EXP_RANGE = np.float32(87.0)
+_F32_MAX = float(np.finfo(np.float32).max)
 # Tokens a block: a band's tokens are looked for in the blocks whose best logit is within it.
 _BLOCK = 1024
 # Up to this many ids are ranked by a stable argsort, more by a sort of 64-bit keys (_ranked).
@@ -57,6 +58,8 @@ def draw(logits: np.ndarray, params: Truncation, u: float, scratch: Scratch) -> 
     ids = candidates(logits, params, scratch)
     if ids is None:  # nothing truncated: the whole row's weights, in place
         return _pick(_weights(logits, params.temperature, out=scratch.values), u)
+    if not len(ids):  # every token banned: token 0 stands in, and the constraint that banned them all refuses it
+        return 0
     return int(ids[_pick(_weights(logits[ids], params.temperature), u)])
 
 
@@ -65,7 +68,9 @@ def distribution(logits: np.ndarray, params: Truncation, scratch: Scratch) -> tu
     drawn) and their probabilities."""
     ids = candidates(logits, params, scratch)
     if ids is None:
-        ids = np.flatnonzero(logits >= logits.max() - _EXP_RANGE * np.float32(params.temperature))
+        ids = np.flatnonzero(logits >= logits.max() - _EXP_RANGE * _f32(params.temperature))
+    if not len(ids):  # every token banned
+        return ids, np.zeros(0)
     weights = _weights(logits[ids], params.temperature).astype(np.float64)
     return ids, weights / weights.sum()
 
@@ -78,6 +83,8 @@ def candidates(logits: np.ndarray, params: Truncation, scratch: Scratch) -> np.n
     Gemma 3's own rows at top_p 0.95: in 58% of them, 1 to 21 tokens holding 0.03% of the
     probability in the median, 0.15% at most)."""
     row = _Row(logits)
+    if row.best == -np.inf:  # every token banned (a constraint that allows none): nothing to draw from
+        return np.zeros(0, dtype=np.int64)
     ids = None
     if 0 < params.top_k < len(logits):
         ids = _within_band(row, lambda top: len(top) >= params.top_k, scratch)[: params.top_k]
@@ -132,8 +139,14 @@ def _ranked(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
 def _weights(logits: np.ndarray, temperature: float, out: np.ndarray | None = None) -> np.ndarray:
     """Unnormalised probabilities after temperature, float32 (the best token's is 1), in `out` if given."""
     weights = np.subtract(logits, logits.max(), out=out)
-    np.divide(weights, np.float32(temperature), out=weights)
+    np.divide(weights, _f32(temperature), out=weights)
     return np.exp(np.maximum(weights, -_EXP_RANGE, out=weights), out=weights)
+
+
+def _f32(x: float) -> np.float32:
+    """A float32, the largest finite one for anything larger (a temperature of 1e60 flattens the
+    row as infinity would, without numpy's overflow warning)."""
+    return np.float32(min(x, _F32_MAX))
 
 
 def _pick(weights: np.ndarray, u: float) -> int:
