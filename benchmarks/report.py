@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from .harness import RESULTS, ROOT, Spread, Table
@@ -75,7 +76,8 @@ START, END = "<!-- results: made by python -m benchmarks report -->", "<!-- /res
 
 
 def front_table(results: dict[str, list[dict]]) -> str:
-    """The README's short table: the newest default runs of sweep (Gemma) and overhead (tiny)."""
+    """The README's short table: the newest default runs of sweep (Gemma), overhead (tiny) and
+    sampling (Gemma, B = 32)."""
     rows = []
     sweep = next((d for d in results.get("sweep", []) if "--model" not in d["command"]), None)
     if sweep:
@@ -84,13 +86,24 @@ def front_table(results: dict[str, list[dict]]) -> str:
                      "`python -m benchmarks sweep`"])
         rows.append(["Gemma 3 270M: S_TG / native llama-batched-bench", *(f"{by_b[b]['s_tg_ratio']:.2f}" if b in by_b else "" for b in (1, 8, 32)),
                      "`python -m benchmarks sweep`"])
-    overhead = next((d for d in results.get("overhead", []) if d["command"].strip() == "python -m benchmarks overhead"), None)
+    overhead = next((d for d in results.get("overhead", []) if _settings(d["command"]) == "python -m benchmarks overhead"), None)
     if overhead:
         f = overhead["figures"]
         rows.append(["tiny model (llamabatch's own cost): S_TG / native",
                      *(f"{f[f'ratio_b{b}']['median']:.2f}" if f"ratio_b{b}" in f else "" for b in (1, 8, 32)), "`python -m benchmarks overhead`"])
+    sampling = next((d for d in results.get("sampling", []) if _settings(d["command"]) == "python -m benchmarks sampling"), None)
+    if sampling:
+        over = sampling["figures"]["over_greedy"]
+        rows += [[f"Gemma 3 270M: sampled {name} / greedy", "", "", f"{over[key]['median']:.2f}", "`python -m benchmarks sampling`"]
+                 for name, key in (("as OpenAI clients ask (top-p, no top-k)", "top-p 0.95, no top-k (OpenAI)"),
+                                   ("with top-k 40", "top-k 40, top-p 0.95")) if key in over]
     lines = ["| measured | B = 1 | B = 8 | B = 32 | command |", "| --- | ---: | ---: | ---: | --- |"]
     return "\n".join(lines + [f"| {' | '.join(row)} |" for row in rows])
+
+
+def _settings(command: str) -> str:
+    """A benchmark's command without its --rounds: more rounds measure the same thing."""
+    return re.sub(r"\s+--rounds[ =]\d+", "", command).strip()
 
 
 def write_readme(results: dict[str, list[dict]], path: Path = README) -> None:

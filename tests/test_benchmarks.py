@@ -44,6 +44,14 @@ def test_a_results_file_holds_the_machine_and_turns_into_a_page(tmp_path):
     assert "`python -m benchmarks overhead`" in text and data["machine"]["cpu"] in text
     assert "| 1 | 0.600 (0.500–0.700) |" in text and "a note" in text
     assert "| tiny model (llamabatch's own cost): S_TG / native | 0.60 |" in front_table(load(tmp_path))  # the README's row
+    more = Report("overhead", "python -m benchmarks overhead --rounds 7", smoke=False)  # more rounds, the same measure
+    more.figure("ratio_b1", Spread.of([0.9]))
+    more.write(tmp_path / "more")
+    assert "| tiny model (llamabatch's own cost): S_TG / native | 0.90 |" in front_table(load(tmp_path / "more"))
+    other = Report("overhead", "python -m benchmarks overhead --batch-sizes 1", smoke=False)  # another measure: not the README's
+    other.figure("ratio_b1", Spread.of([0.1]))
+    other.write(tmp_path / "other")
+    assert "tiny model" not in front_table(load(tmp_path / "other"))
 
 
 def test_the_committed_results_make_the_readme_table():
