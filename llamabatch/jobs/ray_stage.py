@@ -75,15 +75,15 @@ class JobLines(Datasource):
 
 class BatchPredictor:
     """A Ray Data stage: `dataset.map_batches(BatchPredictor, fn_constructor_kwargs={...},
-    compute=ActorPoolStrategy(size=N, max_tasks_in_flight_per_actor=2, max_concurrent_calls_per_actor=2,
-    enable_true_multi_threading=True), num_cpus=threads, batch_size=...)`. Rows are job-file lines (`line`, `text`: an OpenAI batch
+    compute=ActorPoolStrategy(size=N, max_tasks_in_flight_per_actor=2, max_concurrent_calls_per_actor=2),
+    num_cpus=threads, batch_size=...)`. Rows are job-file lines (`line`, `text`: an OpenAI batch
     line, a llamabatch JSON line or a prompt); they come back as rows (`id`, `ok`, `record`: the
     JSON line `llamabatch batch` writes to the output, or to the error file when not ok, and
     token counts).
 
-    All batches an actor holds feed one engine: a batch's requests join the running ones, so the
-    engine stays full while an earlier batch finishes its last sequences (with two batches in
-    flight per actor, as above). Whichever call is waiting drives the engine, one at a time.
+    All batches an actor holds feed one engine. Ray Data runs an actor's calls one at a time
+    (above), so a batch's requests join the engine once the call before has returned; the lock
+    and the answers kept between calls hold whichever way Ray runs them.
     """
 
     def __init__(self, format: str, engine: dict, base: dict | None = None, incomplete_errors: bool = False) -> None:
@@ -197,11 +197,13 @@ class RayBatchJob(Job):
                                    "base": None if self.format is Format.OPENAI else asdict(self.base),
                                    "incomplete_errors": self.incomplete_errors},
             batch_size=ROWS_PER_SLOT * self.parallel,
-            # Two calls an actor may run at once (Ray Data runs them one at a time unless told
-            # so), named as Ray 2.60 names them: max_concurrency in ray_remote_args goes in 2.64.
+            # Two tasks an actor holds, batching beside the call in progress; the calls themselves
+            # run one at a time (Ray Data's default for a plain method). Letting them overlap, with
+            # blocks of one batch (Ray Data maps a block's batches in one task), made a job on one
+            # actor slower (`python -m benchmarks ray`, 2-core EPYC: 0.67 of a single process, 0.81
+            # as here). Named as Ray 2.60 names it: max_concurrency in ray_remote_args goes in 2.64.
             compute=ray.data.ActorPoolStrategy(size=replicas, max_tasks_in_flight_per_actor=BATCHES_IN_FLIGHT,
-                                               max_concurrent_calls_per_actor=BATCHES_IN_FLIGHT,
-                                               enable_true_multi_threading=True),
+                                               max_concurrent_calls_per_actor=BATCHES_IN_FLIGHT),
             num_cpus=threads,
             num_gpus=gpus,
         )
