@@ -1,8 +1,8 @@
 """llamabatch: true batched inference for llama.cpp from Python."""
 
-from .openmp import short_spin
+from . import openmp
 
-with short_spin():
+with openmp.short_spin():
     import llama_cpp  # noqa: F401 - first, so that libgomp loads with the short spin
 
 from .engine import BatchEngine, Event, Result, RunStats, SamplingParams, Timings
