@@ -291,7 +291,8 @@ def _native_gpu_layers(gpu_layers: int) -> str:
 # llama.cpp's tools print their results through the log thread, which is not flushed at exit
 # (llama.cpp issue 22142): a fast run lost its row 17 times in 20 here (the tiny model, B = 32).
 # So a short B = 1 run follows ours, keeping the tool alive until our row is out, and is dropped;
-# a run that still lost it is repeated.
+# a run that still lost it (4 in 100 at B = 4, all its output) is repeated, after a pause that
+# grows, so that a moment of a busy host does not use up every attempt (CI once lost 10 in a row).
 NATIVE_ATTEMPTS = 10
 
 
@@ -299,11 +300,12 @@ def native_run(engine: BatchEngine, settings: SweepSettings, b: int) -> dict:
     """One llama-batched-bench run of batch size b with settings identical to ours; its JSON row."""
     command = [*native_command(engine, settings, b), "--output-format", "jsonl"]
     command[command.index("-npl") + 1] = f"{b},1"
-    for _ in range(NATIVE_ATTEMPTS):
+    for attempt in range(NATIVE_ATTEMPTS):
         done = subprocess.run(command, capture_output=True, text=True)
         rows = [row for line in done.stdout.splitlines() if line.startswith("{") and (row := json.loads(line))["pl"] == b]
         if done.returncode != 0 or rows:
             break
+        time.sleep(min(2.0, 0.1 * 2**attempt))
     if done.returncode != 0 or not rows:
         why = done.stderr.strip()[-500:] if done.returncode else f"no result printed in {NATIVE_ATTEMPTS} runs"
         raise LlamabatchError(f"llama-batched-bench failed ({done.returncode}): {why}")
