@@ -88,10 +88,10 @@ def bare_loop(model: str, b: int, args) -> list[float]:
     return ratios
 
 
-def step_split(model: str, b: int, args, slots: int | None = None) -> tuple[float, float, float]:
+def step_split(model: str, b: int, args, slots: int | None = None, native_too: bool = True) -> tuple[float, float, float | None]:
     """Microseconds per decode step of B greedy sequences (PP, TG as the sweep) in an engine of
-    `slots` sequence slots (default B): inside llama_decode, outside it, and native's whole step
-    (llama-batched-bench run just before, as the host's speed drifts)."""
+    `slots` sequence slots (default B): inside llama_decode, outside it, and (`native_too`)
+    native's whole step, llama-batched-bench run just before, as the host's speed drifts."""
     slots = slots or b
     settings = SweepSettings(batch_sizes=(slots,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
     context = settings.context
@@ -110,7 +110,7 @@ def step_split(model: str, b: int, args, slots: int | None = None) -> tuple[floa
         prompts = [[1 + (i * 7 + k) % 200 for k in range(args.prompt_tokens)] for i in range(b)]
         params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True)
         engine.generate(prompts, params)  # warm
-        native_step = b / native_run(engine, replace(settings, batch_sizes=(b,)), b)["speed_tg"] * 1e6
+        native_step = b / native_run(engine, replace(settings, batch_sizes=(b,)), b)["speed_tg"] * 1e6 if native_too else None
         engine.drop_cached_prefixes()
         sequences = engine.submit(prompts, params)
         while any(s.t_first_token is None for s in sequences):  # the prefill, not counted
@@ -149,7 +149,7 @@ def run(args, report) -> None:
         by_slots = {n: [] for n in SLOTS}
         for _ in range(args.rounds):
             for n in SLOTS:
-                by_slots[n].append(step_split(model, 1, args, slots=n)[0])
+                by_slots[n].append(step_split(model, 1, args, slots=n, native_too=False)[0])
     rows = []
     for b in sizes:
         native_s_tg = median([r[b]["native_s_tg"] for side in runs.values() for r in side])
