@@ -57,7 +57,10 @@ def draw(logits: np.ndarray, params: Truncation, u: float, scratch: Scratch) -> 
     """The token a uniform draw u (in [0, 1)) picks from what the truncation and temperature leave."""
     ids = candidates(logits, params, scratch)
     if ids is None:  # nothing truncated: the whole row's weights, in place
-        return _pick(_weights(logits, params.temperature, out=scratch.values), u)
+        best = logits.max()
+        if best == -np.inf:
+            return 0  # every token banned: as below
+        return _pick(_weights(logits, params.temperature, out=scratch.values, best=best), u)
     if not len(ids):  # every token banned: token 0 stands in, and the constraint that banned them all refuses it
         return 0
     return int(ids[_pick(_weights(logits[ids], params.temperature), u)])
@@ -68,7 +71,8 @@ def distribution(logits: np.ndarray, params: Truncation, scratch: Scratch) -> tu
     drawn) and their probabilities."""
     ids = candidates(logits, params, scratch)
     if ids is None:
-        ids = np.flatnonzero(logits >= logits.max() - _EXP_RANGE * _f32(params.temperature))
+        best = logits.max()
+        ids = np.flatnonzero(logits >= best - _EXP_RANGE * _f32(params.temperature)) if best > -np.inf else np.zeros(0, np.int64)
     if not len(ids):  # every token banned
         return ids, np.zeros(0)
     weights = _weights(logits[ids], params.temperature).astype(np.float64)
@@ -82,6 +86,8 @@ def candidates(logits: np.ndarray, params: Truncation, scratch: Scratch) -> np.n
     terms, so its nucleus may end a few tokens before this one, on the same ranking (measured on
     Gemma 3's own rows at top_p 0.95: in 58% of them, 1 to 21 tokens holding 0.03% of the
     probability in the median, 0.15% at most)."""
+    if not (0 < params.top_k < len(logits) or params.top_p < 1 or params.min_p > 0):
+        return None  # before any pass over the row: the caller's weights find its best
     row = _Row(logits)
     if row.best == -np.inf:  # every token banned (a constraint that allows none): nothing to draw from
         return np.zeros(0, dtype=np.int64)
@@ -136,9 +142,10 @@ def _ranked(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
     return np.sort((order << 32) | ids) & 0xFFFFFFFF
 
 
-def _weights(logits: np.ndarray, temperature: float, out: np.ndarray | None = None) -> np.ndarray:
-    """Unnormalised probabilities after temperature, float32 (the best token's is 1), in `out` if given."""
-    weights = np.subtract(logits, logits.max(), out=out)
+def _weights(logits: np.ndarray, temperature: float, out: np.ndarray | None = None, best: float | None = None) -> np.ndarray:
+    """Unnormalised probabilities after temperature, float32 (the best token's is 1), in `out` if
+    given; `best`: the logits' maximum, when the caller has it."""
+    weights = np.subtract(logits, logits.max() if best is None else best, out=out)
     np.divide(weights, _f32(temperature), out=weights)
     return np.exp(np.maximum(weights, -_EXP_RANGE, out=weights), out=weights)
 
