@@ -9,6 +9,12 @@ engines     the per-token cost of constraining one sequence along a real output 
 throughput  generated tokens/s with a JSON schema on every sequence against none, same prompts
             (--per-slot of them per slot), --max-tokens 64, EOS honoured, at each --parallel,
             rotating runs; and against free text cut to the schema outputs' lengths
+sampled     a decode step's time per active row with a JSON schema on every sequence against none,
+            sampled as the CLI samples (temperature 0.7, top-k 40, top-p 0.95, min-p 0.05), the
+            same --sampled-prompts prompts at once, alternating rounds; and against free text cut to
+            the lengths the schema's outputs had (the same batch as it drains: a step of fewer rows
+            costs more a row). The prompts' prefill is not timed. (A masked row whose few tokens
+            top-k cannot fill must cost what those few cost.)
 validity    every output parsed and validated (jsonschema), 14 schemas x --prompts prompts at each
             --temperature, all in one batch; every invalid output printed with its reason; with
             --llama-server, the same schemas and prompts sent to llama-server's /completion with
@@ -37,10 +43,11 @@ from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from llamabatch import BatchEngine, SamplingParams
 
-from .harness import Spread, progress, tiny_model
+from .harness import Spread, alternate, median, paired, progress, tiny_model
 from .servers import llama_server
 
 SMOKE = ["--model", "tiny", "--parallel", "2", "--per-slot", "2", "--rounds", "1", "--prompts", "2", "--schemas", "3",
+         "--sampled-prompts", "2", "--sampled-tokens", "8",
          "--temperatures", "0.7", "--max-tokens", "64"]
 
 ADDRESS = {"type": "object", "properties": {
@@ -251,6 +258,46 @@ def throughput(args: argparse.Namespace, report) -> None:
                   "schema / same lengths"], rows, f"Medians (lowest–highest) of {args.rounds} rotating rounds.")
 
 
+def sampled(args: argparse.Namespace, report) -> None:
+    """Decode steps only: each side's prompts are prefilled first (every sequence has its first
+    token), then the remaining steps are timed and their rows counted."""
+    schema = SCHEMAS["product catalog"]
+    prompts = [prompt(TOPICS[i % len(TOPICS)], f"catalog {i}") for i in range(args.sampled_prompts)]
+    cli_like = dict(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, max_tokens=args.sampled_tokens)
+    sides = {"free": [SamplingParams(**cli_like, seed=i) for i in range(len(prompts))],
+             "schema": [SamplingParams(**cli_like, seed=i, json_schema=schema) for i in range(len(prompts))]}
+    with BatchEngine(args.model, n_parallel=len(prompts), n_ctx=len(prompts) * 512, n_threads=args.threads) as engine:
+        lengths = [r.completion_tokens for r in engine.generate(prompts, sides["schema"])]  # seeded: every round's
+        sides["same lengths"] = [SamplingParams(**{**cli_like, "max_tokens": n}, seed=i, ignore_eos=True) for i, n in enumerate(lengths)]
+
+        def per_row(params: list[SamplingParams]):
+            def measure() -> tuple[float, int]:
+                engine.drop_cached_prefixes()
+                sequences = engine.submit(prompts, params)
+                while any(s.t_first_token is None and s.finish_reason is None for s in sequences):
+                    engine.step()
+                rows_before, started = engine.stats.sequence_slots, time.perf_counter()
+                while engine.has_work:
+                    engine.step()
+                rows = engine.stats.sequence_slots - rows_before
+                return (time.perf_counter() - started) / max(rows, 1) * 1e3, rows
+            return measure
+
+        runs = alternate({side: per_row(params) for side, params in sides.items()}, args.rounds, label="sampled")
+    ms = {side: [m for m, _ in values] for side, values in runs.items()}
+    over = {side: paired(ms["schema"], ms[side]) for side in ("free", "same lengths")}
+    report.figure("sampled_schema_over_free_per_row", over["free"])
+    report.figure("sampled_schema_over_same_lengths_per_row", over["same lengths"])
+    report.table(
+        f"A decode step's time per active row, sampled as the CLI samples (T 0.7, top-k 40, top-p 0.95, min-p 0.05), "
+        f"{len(prompts)} prompts at once, max {args.sampled_tokens} tokens",
+        ["side", "ms per active row", "rows decoded", "schema over it"],
+        [[side, Spread.of(ms[side]), median([n for _, n in runs[side]]), over.get(side, "")] for side in runs],
+        f"Medians (lowest–highest) of {args.rounds} alternating rounds; the prompts' prefill is not timed. 'same lengths' "
+        "is free text cut to the lengths of the schema's outputs: the schema's own cost, at the same batch sizes as it drains.",
+    )
+
+
 def validity(args: argparse.Namespace, report) -> None:
     """Every schema x prompt at each temperature through one engine (all in one batch), and
     optionally through llama-server; valid / total per schema, side by side, and every invalid
@@ -338,12 +385,14 @@ def run_llama_server(requests: list, temperature: float, args: argparse.Namespac
 
 
 def arguments(parser) -> None:
-    parser.add_argument("--parts", default="engines,throughput,validity")
+    parser.add_argument("--parts", default="engines,throughput,sampled,validity")
     parser.add_argument("--model", default=None, help="catalog name or GGUF path; 'tiny' for the tests' model")
     parser.add_argument("--parallel", default="16,32", help="throughput: each; validity: the last")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-slot", type=int, default=8, help="prompts per slot: the tail of the last wave weighs less with more")
     parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--sampled-prompts", type=int, default=16, help="sampled: prompts (and slots)")
+    parser.add_argument("--sampled-tokens", type=int, default=128, help="sampled: max_tokens")
     parser.add_argument("--schemas", type=int, default=len(SCHEMAS))
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--temperatures", default="0.7,1.0")
@@ -356,4 +405,4 @@ def run(args, report) -> None:
         if args.model == "tiny":
             args.model = str(tiny_model(Path(tmp)))
         for part in args.parts.split(","):
-            {"engines": engines, "throughput": throughput, "validity": validity}[part](args, report)
+            {"engines": engines, "throughput": throughput, "sampled": sampled, "validity": validity}[part](args, report)

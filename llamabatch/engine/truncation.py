@@ -11,6 +11,10 @@ buffers reused from row to row (a fresh megabyte per row costs more in page faul
 arithmetic). On 256 of Gemma 3's own rows (AMD EPYC) the blocks and the ranking took a row at
 top-p 0.95 without top-k from 465 to 374 us, at top-k 40 from 181 to 158 us; the first pass over
 a row the decode just wrote, from memory, is about half of the latter.
+
+No band ever holds more than the tokens that can be drawn: a row a constraint has masked down to
+three tokens, or a bias pushed far below the rest, ranks those few (a top-k of 40 asks for more
+than exist; the widest band then stops at the drawable floor instead of ranking 262,144 ids).
 """
 
 from __future__ import annotations
@@ -92,10 +96,11 @@ def candidates(logits: np.ndarray, params: Truncation, scratch: Scratch) -> np.n
     if row.best == -np.inf:  # every token banned (a constraint that allows none): nothing to draw from
         return np.zeros(0, dtype=np.int64)
     ids = None
+    floor = _drawable_floor(row.best, params.temperature)
     if 0 < params.top_k < len(logits):
-        ids = _within_band(row, lambda top: len(top) >= params.top_k, scratch)[: params.top_k]
+        ids = _within_band(row, lambda top: len(top) >= params.top_k, floor, scratch)[: params.top_k]
     if params.top_p < 1:
-        ids = _nucleus(row, ids, params.top_p, scratch)
+        ids = _nucleus(row, ids, params.top_p, floor, scratch)
     if params.min_p > 0:  # p >= min_p * p_max over what is left, whose best is the row's best
         floor = row.best + np.log(np.float32(params.min_p))
         ids = row.above(floor, scratch) if ids is None else ids[logits[ids] >= floor]
@@ -171,16 +176,28 @@ def _pick(weights: np.ndarray, u: float) -> int:
     return start + min(int(np.searchsorted(inside, target, side="right")), len(inside) - 1)
 
 
-def _within_band(row: _Row, enough: Callable[[np.ndarray], bool], scratch: Scratch) -> np.ndarray:
-    """The tokens of the narrowest band below the best logit that is `enough`, highest first."""
+def _drawable_floor(best: float, temperature: float) -> float:
+    """The lowest logit a draw can still pick: below it a token's weight underflows float32 at
+    this temperature (or, below 1, at the untempered softmax top-p sums). Tokens under it (-inf
+    from a mask, a bias of -100) take no part in any ranking: they would rank last, weightless,
+    and the same u draws the same token without them."""
+    return max(float(best) - float(_EXP_RANGE) * max(temperature, 1.0), -_F32_MAX)
+
+
+def _within_band(row: _Row, enough: Callable[[np.ndarray], bool], floor: float, scratch: Scratch,
+                 ranked: bool = True) -> np.ndarray:
+    """The tokens of the narrowest band below the best logit that is `enough` (highest first when
+    `ranked`); at widest, every token above the drawable floor."""
     for band in _BANDS:
-        top = row.above(row.best - band, scratch)
+        if row.best - band <= floor:
+            break
+        top = row.above(row.best - band, scratch, ranked)
         if enough(top):
             return top
-    return row.above(-np.inf, scratch)
+    return row.above(floor, scratch, ranked)
 
 
-def _nucleus(row: _Row, ids: np.ndarray | None, top_p: float, scratch: Scratch) -> np.ndarray:
+def _nucleus(row: _Row, ids: np.ndarray | None, top_p: float, floor: float, scratch: Scratch) -> np.ndarray:
     """Top-p as llama.cpp defines it: the candidates' softmax (all tokens, or top-k's), then the
     most likely until their probabilities add up to top_p (at least one)."""
     logits, best = row.logits, row.best
@@ -190,12 +207,8 @@ def _nucleus(row: _Row, ids: np.ndarray | None, top_p: float, scratch: Scratch) 
         return ids[: min(int(np.searchsorted(running, top_p, side="left")), len(ids) - 1) + 1]
     weights = np.exp(np.subtract(logits, best, out=scratch.values), out=scratch.values)  # untempered: no underflow to fear
     total = weights.sum(dtype=np.float64)
-    for band in _BANDS:  # the narrowest band holding top_p of the mass (summed before it is ranked)
-        top = row.above(best - band, scratch, ranked=False)
-        if weights[top].sum(dtype=np.float64) >= top_p * total:
-            break
-    else:
-        top = np.arange(len(logits))
+    # The narrowest band holding top_p of the mass, summed before it is ranked.
+    top = _within_band(row, lambda band: weights[band].sum(dtype=np.float64) >= top_p * total, floor, scratch, ranked=False)
     top = _ranked(top, logits[top])
     running = np.cumsum(weights[top], dtype=np.float64) / total
     return top[: min(int(np.searchsorted(running, top_p, side="left")), len(top) - 1) + 1]
