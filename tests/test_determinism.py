@@ -13,6 +13,7 @@ from llamabatch import SamplingParams
 from llamabatch.measure.determinism import verify
 from llamabatch import ConfigError, PromptError
 from llamabatch.engine.scheduler import Filler, Scheduler
+from llamabatch.engine.step import Step
 from llamabatch.engine.sequence import Sequence
 
 PROMPTS = ["hi", "the capital of France is", "word " * 60, "Once upon a time " * 25, "a", "def f(x): return x * 2 " * 8]
@@ -63,26 +64,27 @@ def test_prefill_runs_alone_and_decoders_wait_for_at_most_n_batch_prompt_tokens(
     sched.admit()
     kinds = []
     for _ in range(5):
-        batch = sched.schedule()
-        kinds.append([(s.index, s.n_chunk) for s in batch])
-        for s in batch:
-            done = s.n_chunk == s.n_pending
-            s.n_past += s.n_chunk
+        step = sched.schedule()
+        kinds.append([(s.index, n) for s, n in zip(step.rows, step.chunks)])
+        for s, n in zip(step.rows, step.chunks):
+            done = n == s.n_pending
+            s.advance(n)
             if done:
                 s.tokens.append(7)
     # whole prompts alone until 10 prompt tokens went by, then a decode step, and so on
     assert kinds == [[(0, 5)], [(1, 6)], [(0, 1), (1, 1)], [(2, 7)], [(0, 1), (1, 1), (2, 1)]]
 
 
-def decoding(n_slots: int, n_past: dict[int, int], **settings) -> tuple[Scheduler, list[Sequence]]:
+def decoding(n_slots: int, n_past: dict[int, int], **settings) -> tuple[Scheduler, Step]:
     """A deterministic scheduler with every slot taken; the sequences in n_past (seq_id -> cells
     held) decode one token each this step, the others wait for their prefill."""
     sched = Scheduler(n_slots, n_batch=64, share_prefixes=False, batch_invariant=True, **settings)
     for i in range(n_slots):
         sched.add(Sequence(i, "p", SamplingParams(), [1, 2, 3], 3))
     for s in sched.admit():
-        s.n_past, s.n_chunk = n_past.get(s.seq_id, 0), 1
-    return sched, sorted((s for s in sched.running if s.seq_id in n_past), key=lambda s: s.seq_id)
+        s.hold(n_past.get(s.seq_id, 0))
+    rows = sorted((s for s in sched.running if s.seq_id in n_past), key=lambda s: s.seq_id)
+    return sched, Step(rows, [1] * len(rows))
 
 
 def test_a_lone_decode_row_past_256_cells_gets_a_filler_in_a_neighbouring_stream():
@@ -97,7 +99,7 @@ def test_a_lone_decode_row_past_256_cells_gets_a_filler_in_a_neighbouring_stream
 
 def test_the_filler_goes_at_the_neighbours_next_position():
     sched, rows = decoding(3, {0: 300})
-    sched.running[1].n_past = 40  # seq 1 is part way through its prompt
+    sched.running[1].hold(40)  # seq 1 is part way through its prompt
     assert sched.fillers(rows) == [Filler(1, 40)]
 
 
@@ -110,8 +112,8 @@ def test_no_fillers_outside_deterministic_mode():
     sched = Scheduler(n_slots=2, n_batch=64)
     sched.add(Sequence(0, "p", SamplingParams(), [1, 2, 3], 3))
     (seq,) = sched.admit()
-    seq.n_past, seq.n_chunk = 300, 1
-    assert sched.fillers([seq]) == []
+    seq.hold(300)
+    assert sched.fillers(Step([seq], [1])) == []
 
 
 def test_deterministic_mode_refuses_settings_that_break_it(make_engine):

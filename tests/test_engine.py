@@ -48,7 +48,7 @@ def test_batch_rows_hold_positions_seq_ids_and_logits_flags(make_engine):
     assert list(batch.token[:16]) == a.tokens[: lengths[0]] + b.tokens[: lengths[1]] + c.tokens[:n_c]
     flagged = [lengths[0] - 1, lengths[0] + lengths[1] - 1]  # c is mid-prompt: no logits yet
     assert [i for i in range(16) if batch.logits[i]] == flagged
-    assert (a.i_batch, b.i_batch, c.i_batch) == (flagged[0], flagged[1], -1)
+    assert (a.n_generated, b.n_generated, c.n_generated) == (1, 1, 0)  # each from its own row's logits
 
     engine.step()
     # a and b decode their first sampled token; c goes on with its prompt after them

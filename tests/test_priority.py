@@ -9,6 +9,7 @@ from llamabatch import SamplingParams
 from llamabatch.engine import memory, scheduler
 from llamabatch.engine.scheduler import AGING_S, Scheduler
 from llamabatch.engine.sequence import Sequence, Status
+from llamabatch.engine.step import Step
 
 
 def seq(index: int, priority: int = 0, t: float = 0.0) -> Sequence:
@@ -159,15 +160,22 @@ def test_a_better_prioritys_prompt_is_prefilled_without_worse_decoders_beside_it
     batch_a, batch_b = seq(0, priority=120, t=0.0), seq(1, priority=120, t=0.1)
     for s in (batch_a, batch_b):
         sched.add(s)
-    for s in schedule_once(sched):
-        s.n_past, s.tokens = s.n_past + s.n_chunk, [*s.tokens, 7]  # both decoding now
+    decode_once(schedule_once(sched))  # both decoding now
     urgent = seq(2, priority=0, t=1.0)
     sched.add(urgent)
-    assert schedule_once(sched) == [urgent]  # its prompt alone: the batch decoders wait a step
-    urgent.n_past, urgent.tokens = urgent.n_past + urgent.n_chunk, [*urgent.tokens, 7]
-    assert schedule_once(sched) == [batch_a, batch_b, urgent]  # then everyone decodes together
+    step = schedule_once(sched)
+    assert step.rows == [urgent]  # its prompt alone: the batch decoders wait a step
+    decode_once(step)
+    assert schedule_once(sched).rows == [batch_a, batch_b, urgent]  # then everyone decodes together
 
 
-def schedule_once(sched: Scheduler) -> list[Sequence]:
+def schedule_once(sched: Scheduler) -> Step:
     sched.admit()
     return sched.schedule()
+
+
+def decode_once(step: Step) -> None:
+    """As if the step was decoded and each row sampled a token."""
+    for s, n in zip(step.rows, step.chunks):
+        s.advance(n)
+        s.tokens.append(7)

@@ -6,6 +6,7 @@ import pytest
 from llamabatch import SamplingParams
 from llamabatch.engine.scheduler import Scheduler
 from llamabatch.engine.sequence import Sequence, Status
+from llamabatch.engine.step import Step
 
 
 def seq(index: int, n_prompt: int, prefix: list[int] = ()) -> Sequence:
@@ -14,20 +15,26 @@ def seq(index: int, n_prompt: int, prefix: list[int] = ()) -> Sequence:
     return Sequence(index, f"p{index}", SamplingParams(), tokens, n_prompt)
 
 
-def schedule(sched: Scheduler) -> list[Sequence]:
+def schedule(sched: Scheduler) -> Step:
     sched.admit()
     return sched.schedule()
 
 
-def run_chunks(scheduled: list[Sequence]) -> None:
+def chunks(step: Step) -> list[tuple[int, int]]:
+    """Each row's (index, tokens it brings)."""
+    return [(s.index, n) for s, n in zip(step.rows, step.chunks)]
+
+
+def run_chunks(step: Step) -> None:
     """Pretend the batch was decoded and one token sampled for each sequence that was due one,
     and hand prefixes to the followers that wait for them, as the engine does."""
-    for s in scheduled:
-        done = s.n_chunk == s.n_pending
-        s.n_past += s.n_chunk
+    for s, n in zip(step.rows, step.chunks):
+        done = n == s.n_pending
+        s.advance(n)
         for f in [f for f in s.followers if f.n_shared == s.n_past]:
             s.followers.remove(f)
-            f.leader, f.n_past = None, f.n_shared
+            f.leader = None
+            f.hold(f.n_shared)
         if done:
             s.tokens.append(999)
 
@@ -37,7 +44,7 @@ def test_more_sequences_than_slots_wait_in_order():
     seqs = [seq(i, 3) for i in range(5)]
     for s in seqs:
         sched.add(s)
-    scheduled = schedule(sched)
+    scheduled = schedule(sched).rows
     assert [s.index for s in scheduled] == [0, 1]
     assert [s.seq_id for s in scheduled] == [0, 1]
     assert [s.index for s in sched.waiting] == [2, 3, 4]
@@ -52,7 +59,7 @@ def test_released_slot_goes_to_the_next_waiting_sequence():
     run_chunks(schedule(sched))
     sched.release(seqs[0])
     assert seqs[0].status is Status.FINISHED and seqs[0].seq_id == -1
-    scheduled = schedule(sched)
+    scheduled = schedule(sched).rows
     assert seqs[2] in scheduled and seqs[2].seq_id == 0  # the freed id
 
 
@@ -61,16 +68,16 @@ def test_generating_sequences_come_first_and_prefill_fills_the_budget_in_chunks(
     a, b = seq(0, 4), seq(1, 30)
     sched.add(a)
     first = schedule(sched)
-    assert [(s.index, s.n_chunk) for s in first] == [(0, 4)]
+    assert chunks(first) == [(0, 4)]
     run_chunks(first)
     sched.add(b)
     second = schedule(sched)
     # a decodes its one new token; b's prompt takes the remaining 9 of 10 batch tokens
-    assert [(s.index, s.n_chunk) for s in second] == [(0, 1), (1, 9)]
+    assert chunks(second) == [(0, 1), (1, 9)]
     run_chunks(second)
     third = schedule(sched)
-    assert [(s.index, s.n_chunk) for s in third] == [(0, 1), (1, 9)]
-    assert sum(s.n_chunk for s in third) <= 10
+    assert chunks(third) == [(0, 1), (1, 9)]
+    assert sum(third.chunks) <= 10
 
 
 def test_preempted_sequence_returns_to_the_front_and_reprefills_everything():
@@ -83,7 +90,7 @@ def test_preempted_sequence_returns_to_the_front_and_reprefills_everything():
     assert list(sched.waiting) == [a, b]
     assert a.n_past == 0 and a.status is Status.WAITING
     again = schedule(sched)
-    assert again == [a] and a.n_chunk == 6  # prompt + the token it had generated
+    assert again.rows == [a] and again.chunks == [6]  # prompt + the token it had generated
 
 
 def test_batch_must_hold_one_token_per_slot():
@@ -98,9 +105,9 @@ def test_after_kv_full_nothing_is_admitted_until_a_sequence_finishes():
         sched.add(s)
     run_chunks(schedule(sched))
     sched.preempt(c)  # the cache ran full
-    assert schedule(sched) == [a, b]  # c's slot is free, but c must wait
+    assert schedule(sched).rows == [a, b]  # c's slot is free, but c must wait
     sched.release(a)
-    assert c in schedule(sched)
+    assert c in schedule(sched).rows
 
 
 def test_a_free_slot_keeps_its_prompt_for_a_later_one_that_starts_alike():
@@ -124,7 +131,7 @@ def test_identical_prompt_never_reuses_its_newest_token():
     a = seq(0, 10)
     sched.add(a)
     run_chunks(schedule(sched))
-    a.n_past = 10  # as if its first generated token was not decoded
+    a.hold(10)  # as if its first generated token was not decoded
     sched.release(a)
     again = Sequence(1, "p0", SamplingParams(), a.tokens[:10], 10)
     sched.add(again)
@@ -144,7 +151,7 @@ def test_without_a_matching_prefix_the_lowest_free_seq_id_is_taken_and_rows_foll
     sched.add(d)
     batch = schedule(sched)
     assert (d.seq_id, d.n_past) == (0, 0)  # a's cache is overwritten: llama.cpp wants dense ids
-    assert [s.seq_id for s in batch] == [0, 2]  # rows in seq_id order, whatever the admission order
+    assert [s.seq_id for s in batch.rows] == [0, 2]  # rows in seq_id order, whatever the admission order
 
 
 def test_sequences_sharing_a_prefix_follow_the_first_and_its_prefill_pauses_there():
@@ -155,13 +162,13 @@ def test_sequences_sharing_a_prefix_follow_the_first_and_its_prefill_pauses_ther
     for s in (lead, mid, twin):
         sched.add(s)
     first = schedule(sched)
-    assert first == [lead] and lead.n_chunk == 40  # paused at the shared system prompt
+    assert first.rows == [lead] and first.chunks == [40]  # paused at the shared system prompt
     assert (mid.leader, mid.n_shared) == (lead, 40)
     assert (twin.leader, twin.n_shared) == (lead, 50)  # whole prompt: samples from lead's logits
     run_chunks(first)
     assert mid.leader is None and mid.n_past == 40 and twin.leader is lead
     second = schedule(sched)
-    assert [(s.index, s.n_chunk) for s in second] == [(0, 10), (1, 5)]
+    assert chunks(second) == [(0, 10), (1, 5)]
 
 
 def test_short_common_prefixes_are_not_shared():
@@ -169,7 +176,7 @@ def test_short_common_prefixes_are_not_shared():
     a, b = seq(0, 30, prefix=[1, 2, 3]), seq(1, 30, prefix=[1, 2, 3])
     for s in (a, b):
         sched.add(s)
-    assert schedule(sched) == [a, b] and b.leader is None
+    assert schedule(sched).rows == [a, b] and b.leader is None
 
 
 def test_followers_of_a_preempted_leader_prefill_on_their_own():
@@ -182,7 +189,8 @@ def test_followers_of_a_preempted_leader_prefill_on_their_own():
     assert b.leader is a
     sched.preempt(a)
     assert b.leader is None and a.followers == []
-    assert schedule(sched) == [b] and b.n_chunk == 22
+    step = schedule(sched)
+    assert step.rows == [b] and step.chunks == [22]
 
 
 def test_evicting_cached_prefixes_empties_every_free_slot():

@@ -121,9 +121,10 @@ def test_scored_chunks_keep_to_the_logits_budget():
     sched.admit()
     chunks = []
     while seq.n_past < 200:
-        [scheduled] = sched.schedule()
-        chunks.append(scheduled.n_chunk)
-        assert len(seq.scored_rows(seq.n_past, seq.n_chunk)) <= 16
-        seq.n_past += seq.n_chunk
+        step = sched.schedule()
+        [n] = step.chunks
+        chunks.append(n)
+        assert len(seq.scored_rows(seq.n_past, n)) <= 16
+        seq.advance(n)
     assert chunks[0] == 49 + 16  # the unscored rows before position 49 are free
     assert set(chunks[1:-1]) == {16}

@@ -28,7 +28,6 @@ from enum import Enum
 
 from ..errors import LlamabatchError
 from .native import Context, Model
-from .results import PromptScore
 from .sequence import Sequence
 
 # Host memory for the memory of sequences preempted to make way for a better priority: kept, it
@@ -227,15 +226,15 @@ class Memory:
             if held == seq.n_past:
                 return
             self.clear(seq.seq_id)
-            seq.n_past, seq.scored = 0, PromptScore()
+            seq.restart()
         matched, held = seq.n_past, self.held(seq.seq_id)
-        seq.n_past = self.truncate(seq.seq_id, matched)
+        kept = self.truncate(seq.seq_id, matched)
+        seq.hold(kept, cached=min(kept, seq.n_prompt))
         if self.checkpointing and 0 < matched < held:  # where prompts part ways: later ones alike come back here
-            if seq.n_past == matched:
+            if kept == matched:
                 self.checkpoint(seq.seq_id)  # (the cut worked: the window still reached, or a checkpoint was there)
             else:
                 seq.checkpoint_at = matched  # its prefill stops here for one
-        seq.n_cached = min(seq.n_past, seq.n_prompt)
 
     def reusable(self, seq_id: int, n: int) -> int:
         """How many of the stream's first n positions truncate() would keep (nothing is changed)."""
@@ -275,7 +274,7 @@ class Memory:
         those). Returns the prompt tokens it gained."""
         got = self.copy(leader.seq_id, follower.seq_id, follower.n_shared)
         gained = max(0, min(got, follower.n_prompt) - follower.n_cached)
-        follower.n_past, follower.n_cached = got, min(got, follower.n_prompt)
+        follower.hold(got, cached=min(got, follower.n_prompt))
         return gained
 
     def swap_out(self, seq: Sequence) -> None:

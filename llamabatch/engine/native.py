@@ -556,3 +556,14 @@ class Batch(_Owner):
             self.seq_id[:n] = seq_ids
             self.logits[:n] = 1 if logits is None else logits
         self.n_tokens, self.n_outputs = n, n if logits is None else logits.count(1)
+
+    def set_next(self, tokens: list[int]) -> None:
+        """The same rows again, each with a new token at its next position (a plain step that
+        repeats: seq_ids and logits flags stand)."""
+        n = len(tokens)
+        if n == 1:
+            self.token[0] = tokens[0]
+            self.pos[0] += 1
+        else:
+            self.token[:n] = tokens
+            self.pos[:n] += 1

@@ -54,10 +54,9 @@ class Postprocessor:
         (when prefixes are shared; else it is freed, so a deterministic filler finds room there)."""
         text += seq.text.finish()
         self.memory.drop_swap(seq)
-        seq.finish_reason, seq.error = reason, error
+        seq.end(reason, error)
         if seq.incomplete:
             self.stats.incomplete_structured += 1
-        seq.t_finished = time.perf_counter()
         if seq.status is Status.RUNNING and not self.share_prefixes:
             self.memory.clear(seq.seq_id)
         self.scheduler.release(seq)
@@ -69,8 +68,8 @@ class Postprocessor:
         part of a batch there."""
         if seq.status is Status.RUNNING:
             self.memory.clear(seq.seq_id)
-            seq.n_past = 0  # its slot keeps nothing
-        seq.draft = []
+            seq.hold(0)  # its slot keeps nothing
+        seq.drop_draft()
         return self.finish(seq, None, "", "error", message)
 
 

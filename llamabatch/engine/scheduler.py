@@ -5,15 +5,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import operator
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .adapters import BASE, AdapterSet
 from .prefix_index import PrefixIndex
-from .results import PromptScore
 from .sequence import Sequence, Status
+from .step import Step
 
 # Shorter shared prefixes are decoded again: waiting for a leader and pausing its prefill at
 # the shared length, or giving up another slot's cache, costs more than a few tokens of prefill.
@@ -165,10 +164,11 @@ class Scheduler:
         # After the KV cache ran full, admitting more would only fill it again: wait until
         # a running sequence finishes and frees its cells.
         self._kv_full = False
-        # Whether the last schedule() holds only sequences decoding a token they sampled: the
-        # engine's plain step (one token and one logits row each, in order; nothing to score,
-        # no drafts, no prefix to hand on).
-        self.decodes_only = False
+        # The last plain step, while it stays the next one: until a sequence joins or leaves,
+        # or the stepper says a step did not go as composed (recompose), every running sequence
+        # decodes its next token again, in the same rows.
+        self._repeat: Step | None = None
+        self.version = 0  # counts joins and leaves (queued, admitted, preempted, finished): a snapshot's freshness
 
     @property
     def has_work(self) -> bool:
@@ -176,6 +176,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.push(seq)
+        self.version += 1
 
     def admit(self) -> list[Sequence]:
         """Move waiting sequences into free slots. Each comes back with n_past = the tokens its
@@ -184,21 +185,37 @@ class Scheduler:
         while self.waiting and self._free and not (self._kv_full and self.running):
             seq = self.waiting.pop()
             slot, n_cached = self._take_slot(seq)
-            seq.seq_id, seq.status, seq.t_admitted = slot.seq_id, Status.RUNNING, time.perf_counter()
-            if seq.swapped is None:  # (a swapped-out sequence gets its own KV back: n_past stands)
-                # The newest token is decoded again, for its logits; a scored prompt's scored rows too.
-                seq.n_past = min(n_cached, len(seq.tokens) - 1, seq.shareable)
-                if self.share_prefixes or self.batch_invariant:
-                    self._follow_a_leader(seq)
+            # The newest token is decoded again, for its logits; a scored prompt's scored rows too.
+            # (A swapped-out sequence gets its own memory back: its n_past stands.)
+            seq.admit(slot.seq_id, min(n_cached, len(seq.tokens) - 1, seq.shareable))
+            if seq.swapped is None and (self.share_prefixes or self.batch_invariant):
+                self._follow_a_leader(seq)
             self.running.append(seq)
             self.n_sampled += seq.draws
             self.n_special += seq.special
             admitted.append(seq)
+        if admitted:
+            self._repeat = None
+            self.version += 1
         return admitted
 
-    def schedule(self, reserved: int = 0) -> list[Sequence]:
-        """The sequences for the next batch, each with n_chunk set; decoders first, then prefill.
-        `reserved` rows (speculative drafts, which also want logits) are kept out of the budget."""
+    def recompose(self) -> None:
+        """The last step did not go as composed (a decode failed and memory was put back): the
+        next one is composed afresh."""
+        self._repeat = None
+
+    def schedule(self, reserved: int = 0) -> Step:
+        """The next step: decoders first (a token each), then prompt chunks filling the n_batch
+        budget. `reserved` rows (speculative drafts, which also want logits) are kept out of it."""
+        if self._repeat is not None and not reserved:
+            return self._repeat
+        step, repeats = self._compose(reserved)
+        self._repeat = step if repeats else None
+        return step
+
+    def _compose(self, reserved: int) -> tuple[Step, bool]:
+        """The step, and whether it repeats as it is until a sequence joins or leaves (plain, and
+        not one adapter set's turn among several)."""
         generating, prefilling = [], []
         plain = not reserved  # so far every row decodes a sampled token
         first = self.running[0].adapters if self.running else BASE
@@ -219,15 +236,12 @@ class Scheduler:
         if mixed:
             generating, prefilling = self._one_adapter_set(generating, prefilling)
         if self.batch_invariant:
-            self.decodes_only = False
-            return self._isolated(generating, prefilling)
+            return self._isolated(generating, prefilling), False
         if prefilling and self.policy == "priority":
             generating, prefilling = _held_back(generating, prefilling)
         budget, outputs = self.n_batch - len(generating) - reserved, len(generating) + reserved
-        for seq in generating:
-            seq.n_chunk = 1
-        scheduled = list(generating)
-        self.decodes_only = plain
+        chunks = dict.fromkeys(generating, 1)
+        checkpoints = set()
         for seq in prefilling:
             if budget == 0:
                 break
@@ -235,12 +249,17 @@ class Scheduler:
             n = self._fit_outputs(seq, min(seq.n_pending, budget, cap - seq.n_past if cap else budget), outputs)
             if n == 0:
                 continue
-            seq.n_chunk = self._stop_at_checkpoint(seq, n)
+            chunks[seq], checkpoint = self._stop_at_checkpoint(seq, n)
+            if checkpoint:
+                checkpoints.add(seq.uid)
             budget -= n
             outputs += len(seq.scored_rows(seq.n_past, n)) + 1
-            scheduled.append(seq)
-            self.decodes_only = False
-        return sorted(scheduled, key=_by_seq_id)  # rows in seq_id order: see _take_slot
+        plain = plain and len(chunks) == len(generating)
+        return self._step(chunks, plain, frozenset(checkpoints)), plain and not mixed
+
+    def _step(self, chunks: dict[Sequence, int], plain: bool, checkpoints: frozenset[int] = frozenset()) -> Step:
+        rows = sorted(chunks, key=_by_seq_id)  # rows in seq_id order: see _take_slot
+        return Step(rows, [chunks[seq] for seq in rows], plain, self.n_sampled > 0, self.n_special > 0, checkpoints)
 
     def _one_adapter_set(self, generating: list[Sequence], prefilling: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """The rows of one adapter set: the set whose sequences have waited longest, weighted by
@@ -263,46 +282,43 @@ class Scheduler:
         free = max(0, seq.score_from - 1 - seq.n_past)
         return min(n, free + max(0, self.max_outputs - outputs))
 
-    def _isolated(self, generating: list[Sequence], prefilling: list[Sequence]) -> list[Sequence]:
+    def _isolated(self, generating: list[Sequence], prefilling: list[Sequence]) -> Step:
         """One prompt's prefill alone, in the chunks a solo run uses; or every decode. As in a
         mixed step, decoders wait for at most n_batch prompt tokens between their steps."""
         if prefilling and (not generating or self._prefilled_since_decode < self.n_batch):
             seq = prefilling[0]
-            seq.n_chunk = self._stop_at_checkpoint(seq, max(1, self._fit_outputs(seq, min(seq.n_pending, self.n_batch), 0)))
-            self._prefilled_since_decode += seq.n_chunk
-            return [seq]
+            n, checkpoint = self._stop_at_checkpoint(seq, max(1, self._fit_outputs(seq, min(seq.n_pending, self.n_batch), 0)))
+            self._prefilled_since_decode += n
+            return self._step({seq: n}, False, frozenset([seq.uid]) if checkpoint else frozenset())
         self._prefilled_since_decode = 0
-        for seq in generating:
-            seq.n_chunk = 1
-        return sorted(generating, key=_by_seq_id)
+        return self._step(dict.fromkeys(generating, 1), False)
 
-    def _stop_at_checkpoint(self, seq: Sequence, n: int) -> int:
+    def _stop_at_checkpoint(self, seq: Sequence, n: int) -> tuple[int, bool]:
         """A prompt chunk of up to n tokens, ended at the next checkpoint position of its prompt
-        when memory needs checkpoints; seq.checkpoint_after says whether it ends at one."""
-        seq.checkpoint_after = False
+        when memory needs checkpoints; and whether it ends at one."""
         if self.checkpoint_every is None or seq.n_past >= seq.n_prompt:
-            return n
+            return n, False
         stop = seq.n_prompt
         if seq.checkpoint_at > seq.n_past:
             stop = min(stop, seq.checkpoint_at)
         if self.checkpoint_every:
             stop = min(stop, (seq.n_past // self.checkpoint_every + 1) * self.checkpoint_every)
         if seq.n_past + n >= stop:
-            n, seq.checkpoint_after = stop - seq.n_past, True
-        return n
+            return stop - seq.n_past, True
+        return n, False
 
-    def fillers(self, rows: list[Sequence]) -> list[Filler]:
+    def fillers(self, step: Step) -> list[Filler]:
         """Deterministic mode: a filler beside each one-token row whose sequence holds more than
         lone_row_max_cells cells with it and has no neighbouring seq_id in the batch. llama.cpp groups
         only consecutive seq_ids into one micro-batch, so the filler takes a neighbouring id
         that is not decoding, at that stream's next position."""
         if not self.batch_invariant:
             return []
-        taken = {seq.seq_id for seq in rows}
+        taken = {seq.seq_id for seq in step.rows}
         fillers = []
-        for seq in rows:
+        for seq, n in zip(step.rows, step.chunks):
             k = seq.seq_id
-            if seq.n_chunk != 1 or seq.n_past < self.lone_row_max_cells or k - 1 in taken or k + 1 in taken:
+            if n != 1 or seq.n_past < self.lone_row_max_cells or k - 1 in taken or k + 1 in taken:
                 continue
             j = k + 1 if k + 1 < self.n_streams else k - 1
             taken.add(j)
@@ -320,12 +336,13 @@ class Scheduler:
     def release(self, seq: Sequence) -> None:
         """A sequence finished (or was cancelled while waiting); a running one's slot keeps its KV
         for a later prompt that shares a prefix."""
+        self.version += 1
         if seq.status is Status.WAITING:
             self.waiting.remove(seq)
         else:
             cached = seq.tokens[: seq.n_past] if self.share_prefixes else []  # the engine frees unshared KV
             self._free_slot(self._give_back_slot(seq), cached, seq.adapters)
-        seq.status = Status.FINISHED
+        seq.leave(Status.FINISHED)
         self._kv_full = False
 
     def victims(self) -> list[Sequence]:
@@ -354,10 +371,11 @@ class Scheduler:
         its KV out (seq.swapped), to be put back when it is admitted again. After a full KV
         cache nothing is admitted until a sequence finishes; a priority preemption admits at once."""
         self._free_slot(self._give_back_slot(seq), cached=[])
-        seq.status = Status.WAITING
+        seq.leave(Status.WAITING)
         if seq.swapped is None:
-            seq.n_past, seq.scored = 0, PromptScore()
+            seq.restart()
         self.waiting.push(seq)
+        self.version += 1
         self._kv_full = kv_full
 
     def rank_of(self, seq: Sequence) -> tuple[float, int]:
@@ -412,6 +430,7 @@ class Scheduler:
             self._cached.add(slot)
 
     def _give_back_slot(self, seq: Sequence) -> Slot:
+        self._repeat = None
         self.running.remove(seq)
         self.n_sampled -= seq.draws
         self.n_special -= seq.special
@@ -422,9 +441,7 @@ class Scheduler:
         for follower in seq.followers:  # they prefill on their own now
             follower.leader = None
         seq.followers = []
-        slot = self._slots.pop(seq.seq_id)
-        seq.seq_id = -1
-        return slot
+        return self._slots.pop(seq.seq_id)
 
     def _follow_a_leader(self, seq: Sequence) -> None:
         """Follow the running sequence still prefilling the longest prefix this one shares, then

@@ -47,21 +47,19 @@ class Sequence:
     text: TextStream = field(init=False)
     status: Status = Status.WAITING
     seq_id: int = -1  # llama.cpp sequence id while RUNNING
-    n_past: int = 0  # tokens already in the KV cache
-    n_chunk: int = 0  # tokens the scheduler put in the current batch
+    # Tokens already in its memory (the KV cache, or a recurrent state). Changed only through the
+    # methods below (admit, advance, hold, restart), whoever asks: each names why it moved.
+    n_past: int = 0
     n_cached: int = 0  # prompt tokens whose memory came from a cache or another sequence, not decoded
-    # Memory that cannot be cut (recurrent, hybrid) is checkpointed after the chunk the scheduler
-    # marks; checkpoint_at is one more place to stop: where its prompt parted from a cached one.
-    checkpoint_after: bool = False
+    # Memory that cannot be cut (recurrent, hybrid) is checkpointed where the scheduler ends a
+    # prompt chunk; checkpoint_at is one more place to stop: where its prompt parted from a cached one.
     checkpoint_at: int = -1
-    i_batch: int = -1  # batch row whose logits we sample from this step, or -1
     sample: int = 0  # which of the prompt's n samples
     uid: int = -1  # unique within its engine
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, if asked for
     # Prompt scoring: prompt tokens from index score_from on get their log-probabilities (-1: none).
     score_from: int = -1
     scored: PromptScore = field(default_factory=PromptScore)
-    chunk_row: int = -1  # batch row of the current chunk's first token
     matcher: Matcher | None = None  # its constraint (structured output), if any
     # Sampled otherwise than by its sampler alone (a constraint, log-probabilities, or no tokens
     # to generate): the engine's general path, which plain rows skip. Set once, when it is added.
@@ -92,6 +90,51 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.text = TextStream(self.params.stop)
+
+    # -- the one writer of its status, place in memory, draft and end ------------------------
+
+    def admit(self, seq_id: int, n_reusable: int) -> None:
+        """It holds a slot now; a sequence that was not swapped out starts from the n_reusable
+        leading tokens the slot's cache holds of its prompt (the engine confirms them)."""
+        self.seq_id, self.status, self.t_admitted = seq_id, Status.RUNNING, time.perf_counter()
+        if self.swapped is None:
+            self.n_past = n_reusable
+
+    def advance(self, n: int) -> None:
+        """A decode took n more of its tokens into memory."""
+        self.n_past += n
+
+    @staticmethod
+    def advance_each(rows: list[Sequence]) -> None:
+        """A plain step's decode took each row's newest token (advance(1) each, without a call each)."""
+        for seq in rows:
+            seq.n_past += 1
+
+    def hold(self, n: int, cached: int | None = None) -> None:
+        """Its memory holds its first n tokens now (cut back, put back from a checkpoint or a
+        cache, or copied from another sequence); `cached`: how many of its prompt tokens came so."""
+        self.n_past = n
+        if cached is not None:
+            self.n_cached = cached
+
+    def restart(self) -> None:
+        """Its memory is gone: it prefills (and scores) its prompt again from the start."""
+        self.n_past, self.scored = 0, PromptScore()
+
+    def leave(self, status: Status) -> None:
+        """It gives its slot back: waiting again (preempted), or finished."""
+        self.seq_id, self.status = -1, status
+
+    def end(self, reason: str, error: str | None = None) -> None:
+        """It is done: "stop", "length", "error" (with why) or "cancelled"."""
+        self.finish_reason, self.error, self.t_finished = reason, error, time.perf_counter()
+
+    def propose(self, draft: list[int]) -> None:
+        """Speculative tokens to verify after its newest one, this step."""
+        self.draft = draft
+
+    def drop_draft(self) -> None:
+        self.draft = []
 
     @property
     def n_generated(self) -> int:

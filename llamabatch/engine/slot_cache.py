@@ -55,18 +55,19 @@ class SlotCache:
         limit = min(len(seq.tokens) - 1, seq.shareable)  # as the scheduler's match: the newest token is decoded again
         if limit < MIN_TOKENS:
             return
-        best, n_best = None, self.memory.reusable(seq.seq_id, seq.n_past) + MIN_TOKENS - 1  # worth a restore
+        best, n_best, n_shared = None, self.memory.reusable(seq.seq_id, seq.n_past) + MIN_TOKENS - 1, 0  # worth a restore
         for shared, entry in cache.candidates(seq.tokens[:limit], seq.adapters):
             n = self.memory.reusable_from(shared, entry.n_tokens, entry.positions)
             if n > n_best:
-                best, n_best, seq.n_past = entry, n, shared
+                best, n_best, n_shared = entry, n, shared
         if best is None:
             cache.stats.misses += 1
             return
         loaded = cache.load(best)
         held = self.memory.put_back(seq.seq_id, *loaded) if loaded is not None else 0
+        seq.hold(n_shared)
         if held != best.n_tokens:
             if loaded is not None:
                 cache.refuse(best, "llama.cpp did not take its state")
             self.memory.clear(seq.seq_id)
-            seq.n_past = 0
+            seq.hold(0)

@@ -72,7 +72,7 @@ class Speculator:
             return []
         round_up_to_tile(lengths, caps, len(generating), room)
         for seq, draft in zip(eligible, self.drafter.propose(eligible, lengths)):
-            seq.draft = draft
+            seq.propose(draft)
         return [seq for seq in eligible if seq.draft]
 
     def verify(self, seq: Sequence, rows: np.ndarray, scratch: Scratch) -> tuple[list[int], int]:

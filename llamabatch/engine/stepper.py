@@ -14,12 +14,13 @@ from .native import INVALID_BATCH, KV_FULL
 from .picker import Picker
 from .postprocess import Postprocessor
 from .results import Event, RunStats
-from .rows import lay_out, lay_out_decodes
+from .rows import Layout, lay_out, lay_out_decodes
 from .runtime import Runtime
 from .sampling import score_rows, token_logprob
 from .scheduler import Filler, Scheduler
 from .sequence import Sequence, Status
 from .slot_cache import SlotCache
+from .step import Step
 
 # A step that decodes nothing fails the sequences it carried; this many in a row (different
 # batches each time) mean the context itself is broken, and the engine stops.
@@ -41,7 +42,10 @@ class Stepper:
         self.filler_logits = runtime.model.float_weights
         self.broken: str | None = None  # why the engine cannot go on, once it cannot
         self._failed_steps = 0  # in a row
-        self._output_row: dict[int, int] = {}  # batch row → its row of this step's logits
+        # The plain step the batch holds, and the tokens it sampled: when the scheduler hands it
+        # over again, the batch keeps its seq_ids and logits flags and takes only the new tokens.
+        self._in_batch: Step | None = None
+        self._picked: list[int] = []
 
     def step(self) -> list[Event]:
         """Admit, schedule, fill one batch, decode it once, sample each sequence that is due a token.
@@ -71,17 +75,16 @@ class Stepper:
         for seq in self.scheduler.admit():
             self.slots.resume(seq)
         drafted = self._propose_drafts() if self.speculator is not None else None  # None: nothing planned
-        scheduled = self.scheduler.schedule(reserved=sum(len(s.draft) for s in drafted) if drafted else 0)
-        carried += scheduled
+        step = self.scheduler.schedule(reserved=sum(len(s.draft) for s in drafted) if drafted else 0)
+        carried += step.rows
         for seq in drafted or ():
-            seq.n_chunk += len(seq.draft)  # its last token, then the drafts
             self.memory.prepare_to_reject(seq.seq_id, len(seq.draft))
-        if not scheduled:
+        if not step:
             return None
-        if self.adapters.apply(self.ctx, scheduled[0].adapters):  # the scheduler gives a step one set
+        if self.adapters.apply(self.ctx, step.rows[0].adapters):  # the scheduler gives a step one set
             self.stats.adapter_switches += 1
         tokens_before = self.stats.completion_tokens
-        decoded, failure = self._run(scheduled, events)
+        decoded, failure = self._run(step, events)
         ended = time.perf_counter()
         if decoded:
             self.stats.record_step(started, ended)
@@ -89,46 +92,48 @@ class Stepper:
             self.speculator.observe(drafted, self.stats.completion_tokens - tokens_before, ended - started)
         return failure if not decoded else None
 
-    def _run(self, rows: list[Sequence], events: list[Event]) -> tuple[int, str | None]:
-        """Decode the rows in one batch, then advance and sample them. A full KV cache is
+    def _run(self, step: Step, events: list[Event]) -> tuple[int, str | None]:
+        """Decode the step in one batch, then advance and sample its rows. A full KV cache is
         recovered from; any other failed decode is tried again in halves, down to the sequence it
         fails for, which fails alone with llama.cpp's reason: the others decode as they would have.
         Returns how many rows were decoded, and the last failure (None: none)."""
         try:
-            self._decode(rows)
+            layout = self._decode(step)
         except DecodeError as e:
+            self._in_batch = None
             if e.code == KV_FULL:
-                events += self._recover_kv_full(rows)
+                events += self._recover_kv_full(step.rows)
                 return 0, None
-            return self._retry_without(rows, e, events)
+            return self._retry_without(step, e, events)
         logits = self.ctx.output_logits(self.batch.n_outputs, self.vocab.n_vocab) if self.batch.n_outputs else None
-        if self.scheduler.decodes_only:  # the plain step: each row took its token in and samples the next
-            for seq in rows:
-                seq.n_past += 1
-            self._sample(rows, range(len(rows)), logits, events)
-            return len(rows), None
+        if layout is None:  # the plain step: each row took its token in and samples the next
+            Sequence.advance_each(step.rows)
+            self._picked = self._sample(step, step.rows, range(len(step.rows)), logits, events)
+            return len(step.rows), None
         due: list[Sequence] = []
-        for seq in rows:
-            self._advance(seq, due, logits)
+        rows: list[int] = []
+        for k, (seq, n) in enumerate(zip(step.rows, step.chunks)):
+            self._advance(seq, n, seq.uid in step.checkpoints, layout, k, logits, due, rows)
         if due:
-            self._sample(due, [self._output_row[s.i_batch] for s in due], logits, events)
-        return len(rows), None
+            self._sample(step, due, rows, logits, events)
+        return len(step.rows), None
 
-    def _retry_without(self, rows: list[Sequence], error: DecodeError, events: list[Event]) -> tuple[int, str | None]:
+    def _retry_without(self, step: Step, error: DecodeError, events: list[Event]) -> tuple[int, str | None]:
         """A decode that failed, not for a full cache: the sequence llama.cpp names (or a lone
         row) fails and the rest decode again; else each half is tried on its own."""
+        rows = step.rows
         self._undo(rows, stored=error.code != INVALID_BATCH)
         self.stats.failed_decodes += 1
         named = self._named_by(error)
         if named is not None or len(rows) == 1:
             events.append(self.post.fail(named or rows[0], str(error)))
             rest = [seq for seq in rows if seq.status is Status.RUNNING]
-            decoded, _ = self._run(rest, events) if rest else (0, None)
+            decoded, _ = self._run(step.of(rest), events) if rest else (0, None)
             return decoded, str(error)
         decoded, failure = 0, None
         for part in (rows[: len(rows) // 2], rows[len(rows) // 2 :]):
             part = [seq for seq in part if seq.status is Status.RUNNING]  # a half may have preempted some
-            n, why = self._run(part, events) if part else (0, None)
+            n, why = self._run(step.of(part), events) if part else (0, None)
             decoded, failure = decoded + n, why or failure
         return decoded, failure
 
@@ -144,12 +149,11 @@ class Stepper:
         computing, after some micro-batches), each row's memory goes back to what it held before,
         which recurrent memory may only do to a checkpoint (those rows then prefill from there).
         A batch refused whole (no free KV slot, or invalid) left memory as it was."""
+        self.scheduler.recompose()
         for seq in rows:
-            if seq.draft:
-                seq.n_chunk -= len(seq.draft)
-                seq.draft = []
+            seq.drop_draft()
             if stored:
-                seq.n_past = self.memory.truncate(seq.seq_id, seq.n_past)
+                seq.hold(self.memory.truncate(seq.seq_id, seq.n_past))
 
     def _count_failed_step(self, why: str) -> None:
         self._failed_steps += 1
@@ -177,24 +181,27 @@ class Stepper:
         """Preempt a running sequence for a better-priority one: its memory swapped out to host
         memory where the budget holds it (put back when it runs again), else freed."""
         self.memory.swap_out(victim)
-        victim.draft = []
+        victim.drop_draft()
         self.scheduler.preempt(victim, kv_full=False)
         self.stats.priority_preemptions += 1
 
-    def _decode(self, scheduled: list[Sequence]) -> None:
-        """One batch of the scheduled sequences' chunks (and deterministic fillers), one decode."""
-        fillers = self.scheduler.fillers(scheduled) if self.config.deterministic else []
+    def _decode(self, step: Step) -> Layout | None:
+        """One batch of the step's chunks (and deterministic fillers), one decode; where its rows
+        landed (None for a plain step: row k is rows[k]'s, every row with logits)."""
+        fillers = self.scheduler.fillers(step) if self.config.deterministic else []
         for filler in fillers:
             self.memory.prepare_to_reject(filler.seq_id, 1)
-        if self.scheduler.decodes_only:  # one token and one logits row each, row k for scheduled[k]
-            self.batch.set(*lay_out_decodes(scheduled))
+        layout = None
+        if not step.plain:
+            columns, layout = lay_out(step, fillers, self.filler_logits)
+            self.batch.set(columns.tokens, columns.pos, columns.seq_ids, columns.logits)
+        elif step is self._in_batch:  # the same rows as the last step: only their new tokens
+            self.batch.set_next(self._picked)
         else:
-            # Rows in seq_id order: llama.cpp groups consecutive seq_ids into one micro-batch.
-            rows = sorted([*scheduled, *fillers], key=lambda row: row.seq_id) if fillers else scheduled  # already in order
-            tokens, pos, seq_ids, logits, self._output_row = lay_out(rows, self.filler_logits)
-            self.batch.set(tokens, pos, seq_ids, logits)
+            self.batch.set(*lay_out_decodes(step))
+        self._in_batch = step if step.plain else None
         self.stats.decode_calls += 1
-        self.stats.sequence_slots += len(scheduled)
+        self.stats.sequence_slots += len(step.rows)
         try:
             self.ctx.decode(self.batch)
         except DecodeError as e:
@@ -202,6 +209,7 @@ class Stepper:
                 self._take_out(fillers)
             raise
         self._take_out(fillers)
+        return layout
 
     def _take_out(self, fillers: list[Filler]) -> None:
         """Each filler's stream goes back to what it held: its owner is a prompt between chunks or
@@ -210,69 +218,74 @@ class Stepper:
             if self.memory.reject(filler.seq_id, filler.pos, decoded=1) != filler.pos:
                 raise MemoryRefused(f"a deterministic filler could not be taken out of sequence {filler.seq_id}'s memory")
 
-    def _advance(self, seq: Sequence, due: list[Sequence], logits: np.ndarray | None) -> None:
-        """The decode took the chunk into the KV cache: score the prompt tokens it predicts, hand
-        the prefix to followers that wait for exactly this much of it; each sequence now due a
-        token joins `due` (followers first)."""
-        self.stats.prompt_tokens_evaluated += max(0, min(seq.n_chunk, seq.n_prompt - seq.n_past))
-        scored = seq.scored_rows(seq.n_past, seq.n_chunk)
+    def _advance(self, seq: Sequence, n: int, checkpoint: bool, layout: Layout, k: int, logits: np.ndarray | None,
+                 due: list[Sequence], rows: list[int]) -> None:
+        """The decode took rows[k]'s chunk of n tokens (and its drafts) into memory: score the
+        prompt tokens it predicts, checkpoint where the scheduler said, hand the prefix to
+        followers that wait for exactly this much of it; each sequence now due a token joins `due`
+        (followers first), with its row of the logits in `rows`."""
+        self.stats.prompt_tokens_evaluated += max(0, min(n, seq.n_prompt - seq.n_past))
+        scored = seq.scored_rows(seq.n_past, n)
         if scored:
-            first = self._output_row[seq.chunk_row + scored.start - seq.n_past]
+            first = layout.output_row[layout.first[k] + scored.start - seq.n_past]
             targets = seq.tokens[scored.start + 1 : scored.stop + 1]
             score_rows(seq.scored, logits[first : first + len(scored)], targets, seq.params.prompt_logprobs)
-        seq.n_past += seq.n_chunk
-        if seq.checkpoint_after:
-            seq.checkpoint_after = False
+        seq.advance(n + len(seq.draft))
+        if checkpoint:
             self.memory.checkpoint(seq.seq_id)
+        row = layout.sampled[k]
         if seq.followers:
             for follower in [f for f in seq.followers if f.n_shared == seq.n_past]:
-                self._share_prefix(seq, follower, due)
-        if seq.i_batch >= 0:
+                self._share_prefix(seq, follower, row, due, rows)
+        if row >= 0:
             due.append(seq)
+            rows.append(row)
 
-    def _share_prefix(self, leader: Sequence, follower: Sequence, due: list[Sequence]) -> None:
+    def _share_prefix(self, leader: Sequence, follower: Sequence, row: int, due: list[Sequence], rows: list[int]) -> None:
+        """The follower gets the leader's prefix copied; one whose whole prompt that is samples
+        from the leader's row of the logits (`row`)."""
         self.stats.prompt_tokens_reused += self.memory.share(leader, follower)
         leader.followers.remove(follower)
         follower.leader = None
-        if follower.n_past == follower.n_shared and follower.n_pending == 0:  # the whole prompt is shared: sample from the leader's logits
-            follower.i_batch = leader.i_batch
+        if follower.n_past == follower.n_shared and follower.n_pending == 0 and row >= 0:
             due.append(follower)
+            rows.append(row)
         # The follower may have jumped past what its own followers wait for: they copy from it now.
         for waiting in [f for f in follower.followers if f.n_shared <= follower.n_past]:
-            self._share_prefix(follower, waiting, due)
+            self._share_prefix(follower, waiting, row, due, rows)
 
-    def _sample(self, due: list[Sequence], rows: list[int] | range, logits: np.ndarray, events: list[Event]) -> None:
+    def _sample(self, step: Step, due: list[Sequence], rows: list[int] | range, logits: np.ndarray, events: list[Event]) -> list:
         """Each due sequence's pick (rows[k] is due[k]'s row of the logits) accepted, drafts
         verified; a sequence that asked for no tokens (max_tokens 0: its prompt was only scored)
-        ends here. Each event joins `events` as it happens; a failure is its sequence's alone."""
+        ends here. Each event joins `events` as it happens; a failure is its sequence's alone.
+        Returns the picks."""
         accept, add = self.post.accept, events.append  # bound once: the loop runs for every sequence
-        picks = self.picker.pick(due, rows, logits, self.scheduler.n_sampled > 0, self.scheduler.n_special > 0)
-        for seq, pick in zip(due, picks):
+        picks = self.picker.pick(due, rows, logits, step.draws, step.special)
+        for seq, pick, row in zip(due, picks, rows):
             try:
                 if type(pick) is int:
                     add(accept(seq, pick))
                 elif pick is not None:
                     raise pick
                 elif seq.draft:
-                    events += self._verify(seq, logits)
+                    events += self._verify(seq, logits, row - len(seq.draft))
                 else:
                     events.append(self.post.finish(seq, None, "", "length"))
             except Exception as e:  # noqa: BLE001 - its failure, not its neighbours'
                 if seq.status is not Status.FINISHED:
                     events.append(self.post.fail(seq, f"sampling failed: {type(e).__name__}: {e}"))
+        return picks
 
-    def _verify(self, seq: Sequence, logits: np.ndarray) -> list[Event]:
+    def _verify(self, seq: Sequence, logits: np.ndarray, first: int) -> list[Event]:
         """Accept what the speculator keeps of the sequence's drafts (their rejected KV is
         forgotten), one token at a time, so EOS, stop strings and max_tokens cut the run exactly
-        where a step each would have."""
+        where a step each would have. Its logits rows start at `first` (its last token's)."""
         k = len(seq.draft)
-        first = self._output_row[seq.chunk_row]
         picks, n_ok = self.speculator.verify(seq, logits[first : first + k + 1], self.picker.scratch)
-        seq.draft = []
-        seq.n_past -= k - n_ok  # the decode took all k + 1 tokens in; the rejected ones go
-        if n_ok < k:
-            # Recurrent memory may go back further, to its checkpoint: the kept tokens are decoded again.
-            seq.n_past = self.memory.reject(seq.seq_id, seq.n_past, decoded=k + 1)
+        seq.drop_draft()
+        kept = seq.n_past - (k - n_ok)  # the decode took all k + 1 tokens in; the rejected ones go
+        # Recurrent memory may go back further, to its checkpoint: the kept tokens are decoded again.
+        seq.hold(self.memory.reject(seq.seq_id, kept, decoded=k + 1) if n_ok < k else kept)
         self.stats.draft_tokens += k
         self.stats.draft_accepted += n_ok
         events = []
