@@ -3,6 +3,7 @@ convenience APIs (generate, score, stream, embed, rerank) built on them."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -25,11 +26,16 @@ from .scheduler import LONE_ROW_MAX_CELLS, Scheduler
 from .scoring import scored_prompts, total_score
 from .sequence import Sequence, Status
 from .slot_cache import SlotCache
+from .snapshot import IDLE, EngineFacts, EngineSnapshot, take
 from .stepper import Stepper
 
 # Logits a step may ask for when prompts are scored (each row is a vocabulary of floats): 256
 # rows of Gemma 3's 262,144, or every row of a batch for a small vocabulary.
 LOGITS_BUDGET_BYTES = 256 << 20
+# The snapshot other threads read is published after a step that changed who waits or runs, at
+# least this often otherwise, and when the engine falls idle: taking one reads every running
+# sequence, which a step of a steady batch need not pay for.
+PUBLISH_EVERY_S = 0.025
 
 
 class BatchEngine:
@@ -71,6 +77,21 @@ class BatchEngine:
         self.post = Postprocessor(cfg, self.vocab, self.memory, self.scheduler, self.stats)
         self.picker = Picker(self.grammars, runtime.scratch, cfg.n_threads)  # its sampling threads are closed with the engine
         self.stepper = Stepper(cfg, runtime, self.scheduler, self.slots, self.picker, self.post, self.stats)
+        self.facts = self._facts()
+        self.snapshot: EngineSnapshot = IDLE  # what other threads read (publish)
+        self._published_at = 0.0
+        self.publish()
+
+    def _facts(self) -> EngineFacts:
+        cfg, ctx = self.config, self.ctx
+        return EngineFacts(
+            model=self.model_name, n_parallel=cfg.n_parallel, n_ctx=ctx.n_ctx, n_ctx_seq=ctx.n_ctx_seq,
+            n_vocab=self.vocab.n_vocab, cache_type_k=ctx.cache_types[0], cache_type_v=ctx.cache_types[1],
+            flash_attn=ctx.flash_attn, memory_family=self.memory.caps.family.value,
+            checkpoint_memory=cfg.checkpoint_memory if self.memory.checkpointing else 0,
+            memory_bytes=self.model.size_bytes + ctx.kv_bytes, adapters=tuple(self.adapters.info),
+            default_adapters=self.adapters.default, rpc=tuple(cfg.rpc),
+        )
 
     def _scheduler(self) -> Scheduler:
         cfg, float_weights = self.config, self.model.float_weights
@@ -138,7 +159,17 @@ class BatchEngine:
         """One step (Stepper.step): admit, schedule, decode every scheduled sequence in one batch,
         sample those due a token; the events of the sequences it moved. Raises EngineBroken once
         the engine is broken."""
-        return self.stepper.step()
+        events = self.stepper.step()
+        now = time.perf_counter()
+        if self.scheduler.version != self.snapshot.version or now - self._published_at >= PUBLISH_EVERY_S or not self.has_work:
+            self.publish(now)
+        return events
+
+    def publish(self, now: float | None = None) -> None:
+        """Publish the engine's state as `snapshot`, for other threads (EngineSnapshot). On the
+        engine's thread; step() publishes when due, a caller may after queueing or cancelling."""
+        self.snapshot = take(self.scheduler, self.memory, self.stats, self.prompt_cache, self.broken)
+        self._published_at = time.perf_counter() if now is None else now
 
     def run(self) -> Iterator[Event]:
         """Step until every queued sequence has finished, yielding each step's events."""
@@ -188,15 +219,24 @@ class BatchEngine:
                 yield event(seq, None, "", seq.finish_reason, seq.error)
         yield from self.run()
 
-    def cancel(self, seq: Sequence) -> Event | None:
-        """Stop a sequence now (its client went away): a queued one leaves the queue, a running
-        one frees its slot at once. Returns its last event, or None if it had already finished."""
+    def cancel(self, seq: Sequence, error: str | None = None) -> Event | None:
+        """Stop a sequence now (its client went away; or, with `error`, it fails for that reason):
+        a queued one leaves the queue, a running one frees its slot at once. Returns its last
+        event, or None if it had already finished."""
         if seq.status is Status.FINISHED:
             return None
-        return self.post.finish(seq, None, "", "cancelled")
+        event = self.post.finish(seq, None, "", "cancelled" if error is None else "error", error)
+        self.publish()  # (the engine may take no further step to publish it)
+        return event
+
+    def abandon(self, seq: Sequence, error: str) -> Event:
+        """End a sequence of a broken engine with `error`, touching nothing of llama.cpp's."""
+        seq.end("error", error)
+        return event(seq, None, "", "error", error)
 
     def reset_stats(self) -> None:
         self.stats.reset()
+        self.publish()
 
     def drop_cached_prefixes(self) -> None:
         """Free the KV that finished sequences left in their slots for later prompts."""

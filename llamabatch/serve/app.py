@@ -130,15 +130,15 @@ def create_app(settings: ServerSettings) -> FastAPI:
             serving.engine(models.models[models.default])  # 503 until it has loaded
         cards = []
         for served in models.models.values():
-            engine = served.worker.engine if served.worker is not None else None
+            facts = served.worker.facts if served.worker is not None else None
             status = {"value": served.state, **({"load_s": round(served.load_seconds, 3)} if served.loads else {}),
                       **({"failed": True, "error": served.error} if served.error else {})}
             card = {"id": served.name, "object": "model", "created": 0, "owned_by": "llamabatch", "status": status}
-            if engine is not None:
-                card["max_model_len"] = engine.ctx.n_ctx_seq
-                card["memory_bytes"] = engine.model.size_bytes + engine.ctx.kv_bytes
+            if facts is not None:
+                card["max_model_len"] = facts.n_ctx_seq
+                card["memory_bytes"] = facts.memory_bytes
                 # vLLM's way: each adapter is a model of its own, its parent the base model
-                cards += [card, *({**card, "id": a.name, "parent": served.name, "root": str(a.path)} for a in engine.adapters.info)]
+                cards += [card, *({**card, "id": a.name, "parent": served.name, "root": str(a.path)} for a in facts.adapters)]
             else:
                 cards.append(card)
         return {"object": "list", "data": cards}
@@ -161,9 +161,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
     async def lora_adapters(model: str | None = None) -> list[dict]:
         """llama-server's listing: the ids a request's `lora` field names, with the default scales."""
         async with serving.using(model) as served:
-            engine = serving.engine(served)
-            default = dict(engine.adapters.default)
-            return [{"id": a.id, "name": a.name, "path": str(a.path), "scale": default.get(a.id, 0.0)} for a in engine.adapters.info]
+            facts = serving.engine(served).facts
+            default = dict(facts.default_adapters)
+            return [{"id": a.id, "name": a.name, "path": str(a.path), "scale": default.get(a.id, 0.0)} for a in facts.adapters]
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)], responses=_GENERATION)
     async def completions(body: CompletionRequest, http: HttpRequest):
@@ -282,9 +282,9 @@ def _openapi(app: FastAPI, models: ModelPool) -> dict:
     for unused in ("HTTPValidationError", "ValidationError"):
         doc.get("components", {}).get("schemas", {}).pop(unused, None)
     worker = models.models[models.default].worker
-    engine = worker.engine if worker is not None and not models.several else None
-    _bound_token_ids(doc, engine.vocab.n_vocab - 1 if engine else None, engine.ctx.n_ctx_seq if engine else None)
-    if engine is not None or models.several:  # before the model loads the bounds are unknown: build it again next time
+    facts = worker.facts if worker is not None and not models.several else None
+    _bound_token_ids(doc, facts.n_vocab - 1 if facts else None, facts.n_ctx_seq if facts else None)
+    if facts is not None or models.several:  # before the model loads the bounds are unknown: build it again next time
         app.openapi_schema = doc
     return doc
 

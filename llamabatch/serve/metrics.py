@@ -12,12 +12,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from ..engine.snapshot import CLASSES  # a label on the metrics that differ by entry point
 from .worker import EngineWorker, Observer, StepReport
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-# Priority classes, a label on the metrics that differ by entry point: interactive requests, and
-# the Batch API's batches (which run below them).
-CLASSES = ("interactive", "batch")
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,7 @@ class Metrics:
         self.cached_tokens = Counter(
             "llamabatch_prompt_tokens_cached", "Prompt tokens of finished sequences taken from a cache, not decoded", m, registry=r,
         )
-        # Recurrent, hybrid and sliding-window models: the state checkpoints that let a prefix be reused (engine.memory).
+        # Recurrent, hybrid and sliding-window models: the state checkpoints that let a prefix be reused.
         self.checkpoint_bytes = Gauge("llamabatch_checkpoint_bytes", "Host memory held by state checkpoints", m, registry=r)
         self.checkpoints = Gauge("llamabatch_checkpoints", "State checkpoints kept", m, registry=r)
         self.checkpoint_restores = Gauge(
@@ -72,29 +70,23 @@ class Metrics:
         self.registry.register(_PromptCacheMetrics(workers))
 
     def watch(self, model: str, worker: EngineWorker) -> None:
-        """The model's gauges read this worker's state when scraped (a model loaded again
-        brings a new worker)."""
+        """The model's gauges read the snapshot its worker's engine published last, when scraped
+        (a model loaded again brings a new worker; one unloaded reads as idle)."""
         for name in CLASSES:  # each class's series exists from the start, at 0
-            self.running.labels(model, name).set_function(lambda name=name: worker.running_in(name))
+            self.running.labels(model, name).set_function(lambda name=name: worker.snapshot.running[name])
             self.generated_tokens.labels(model, name)
             self.ttft.labels(model, name)
         self.queued.labels(model, "interactive").set_function(lambda: worker.queued)  # with requests not yet taken
-        self.queued.labels(model, "batch").set_function(lambda: worker.waiting("batch"))
+        self.queued.labels(model, "batch").set_function(lambda: worker.snapshot.waiting["batch"])
         self.batches.labels(model).set_function(lambda: worker.n_batches)
-        engine = lambda: worker.engine  # noqa: E731 - None once unloaded
-        self.kv_cells.labels(model).set_function(lambda: sum(s.n_past for s in engine().scheduler.running) if engine() else 0)
-        stats = lambda: engine().stats if engine() else None  # noqa: E731
-        self.drafted.labels(model).set_function(lambda: stats().draft_tokens if stats() else 0)
-        self.preempted.labels(model).set_function(lambda: stats().priority_preemptions if stats() else 0)
-        self.accepted.labels(model).set_function(lambda: stats().draft_accepted if stats() else 0)
-        self.adapter_switches.labels(model).set_function(lambda: stats().adapter_switches if stats() else 0)
-        memory = lambda: engine().memory if engine() else None  # noqa: E731
-        self.checkpoint_bytes.labels(model).set_function(lambda: memory().checkpoints.bytes if memory() else 0)
-        self.checkpoints.labels(model).set_function(lambda: memory().checkpoints.count if memory() else 0)
-        self.checkpoint_restores.labels(model).set_function(lambda: memory().restored if memory() else 0)
-        self.tokens_per_decode.labels(model).set_function(
-            lambda: stats().completion_tokens / stats().decode_calls if stats() and stats().decode_calls else 0
-        )
+        gauges = {
+            self.kv_cells: "kv_cells", self.drafted: "draft_tokens", self.accepted: "draft_accepted",
+            self.preempted: "priority_preemptions", self.adapter_switches: "adapter_switches",
+            self.checkpoint_bytes: "checkpoint_bytes", self.checkpoints: "checkpoints",
+            self.checkpoint_restores: "checkpoint_restores", self.tokens_per_decode: "tokens_per_decode",
+        }
+        for gauge, field in gauges.items():
+            gauge.labels(model).set_function(lambda field=field: getattr(worker.snapshot, field))
         self.finished.labels(model)
         self.failed.labels(model)
 
@@ -159,50 +151,48 @@ class _EngineInfo(Collector):
     def collect(self):
         family = InfoMetricFamily("llamabatch_engine", "Each loaded engine's settings", labels=["model"])
         for model, worker in self.workers().items():
-            engine = worker.engine
-            if engine is None:
+            facts = worker.facts
+            if facts is None:
                 continue
-            k, v = engine.ctx.cache_types
             family.add_metric([model], {
-                "cache_type_k": k, "cache_type_v": v, "flash_attn": engine.ctx.flash_attn,
-                "parallel": str(engine.config.n_parallel), "adapters": ",".join(a.name for a in engine.adapters.info),
-                "rpc": ",".join(engine.config.rpc), "memory": engine.memory.caps.family.value,
-                "checkpoint_memory": str(engine.config.checkpoint_memory if engine.memory.checkpointing else 0),
+                "cache_type_k": facts.cache_type_k, "cache_type_v": facts.cache_type_v, "flash_attn": facts.flash_attn,
+                "parallel": str(facts.n_parallel), "adapters": ",".join(a.name for a in facts.adapters),
+                "rpc": ",".join(facts.rpc), "memory": facts.memory_family, "checkpoint_memory": str(facts.checkpoint_memory),
             })
         yield family
 
 
 class _PromptCacheMetrics(Collector):
-    """Each loaded engine's prompt cache (engine.prompt_cache), labelled by model and tier."""
+    """Each loaded engine's prompt cache (from its snapshot), labelled by model and tier."""
 
     def __init__(self, workers: Callable[[], dict[str, EngineWorker]]) -> None:
         self.workers = workers
 
     def collect(self):
-        caches = {model: w.engine.prompt_cache for model, w in self.workers().items() if w.engine is not None and w.engine.prompt_cache}
+        caches = {model: w.snapshot.prompt_cache for model, w in self.workers().items() if w.snapshot.prompt_cache is not None}
         tiers = ("ram", "disk")
-        for name, doc, kind, read in (
-            ("hits", "Prompts whose prefix was restored from the tier", CounterMetricFamily, lambda t: t.hits),
-            ("evictions", "Entries pushed out of the tier for room", CounterMetricFamily, lambda t: t.evictions),
-            ("entries", "Prompts the tier holds", GaugeMetricFamily, lambda t: t.entries),
-            ("bytes", "Bytes the tier holds", GaugeMetricFamily, lambda t: t.bytes),
+        for name, doc, kind in (
+            ("hits", "Prompts whose prefix was restored from the tier", CounterMetricFamily),
+            ("evictions", "Entries pushed out of the tier for room", CounterMetricFamily),
+            ("entries", "Prompts the tier holds", GaugeMetricFamily),
+            ("bytes", "Bytes the tier holds", GaugeMetricFamily),
         ):
             family = kind(f"llamabatch_prompt_cache_{name}", doc, labels=["model", "tier"])
             for model, cache in caches.items():
                 for tier in tiers:
-                    family.add_metric([model, tier], read(getattr(cache.stats, tier)))
+                    family.add_metric([model, tier], getattr(getattr(cache, tier), name))
             yield family
-        budget = GaugeMetricFamily("llamabatch_prompt_cache_budget_bytes", "Each tier's budget in bytes", labels=["model", "tier"])
-        for name, doc, read in (
-            ("misses", "Admitted prompts no entry gave more than their slot", lambda c: c.stats.misses),
-            ("kept", "Prompts kept as their slot was taken", lambda c: c.stats.kept),
-            ("refused", "Entries removed as unreadable, foreign or refused", lambda c: c.stats.refused),
+        for name, doc in (
+            ("misses", "Admitted prompts no entry gave more than their slot"),
+            ("kept", "Prompts kept as their slot was taken"),
+            ("refused", "Entries removed as unreadable, foreign or refused"),
         ):
             family = CounterMetricFamily(f"llamabatch_prompt_cache_{name}", doc, labels=["model"])
             for model, cache in caches.items():
-                family.add_metric([model], read(cache))
+                family.add_metric([model], getattr(cache, name))
             yield family
+        budget = GaugeMetricFamily("llamabatch_prompt_cache_budget_bytes", "Each tier's budget in bytes", labels=["model", "tier"])
         for model, cache in caches.items():
-            budget.add_metric([model, "ram"], cache.ram_bytes)
-            budget.add_metric([model, "disk"], cache.disk_bytes)
+            for tier in tiers:
+                budget.add_metric([model, tier], getattr(cache, tier).budget)
         yield budget

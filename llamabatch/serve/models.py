@@ -144,8 +144,8 @@ class ModelPool:
         if name in self.models:
             return self.models[name]
         for served in self.models.values():  # an adapter's name: its model's engine chooses it per request
-            engine = served.worker.engine if served.worker is not None else None
-            if engine is not None and any(a.name == name for a in engine.adapters.info):
+            facts = served.worker.facts if served.worker is not None else None
+            if facts is not None and any(a.name == name for a in facts.adapters):
                 return served
         raise UnknownModel(f"model {name!r} is not served here; served: {', '.join(self.models)}")
 

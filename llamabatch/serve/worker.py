@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from ..engine import BatchEngine, Event, SamplingParams, Sequence
 from ..engine.embedding import Pooling
+from ..engine.snapshot import IDLE, EngineFacts, EngineSnapshot
 from ..errors import EngineBroken, LlamabatchError
 from .batch_runs import BatchRun
 
@@ -161,23 +162,30 @@ class EngineWorker:
         return True
 
     @property
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state as it last published it (IDLE when none is loaded): any thread may
+        read it, and it stays valid when the engine is closed."""
+        engine = self.engine
+        return engine.snapshot if engine is not None else IDLE
+
+    @property
+    def facts(self) -> EngineFacts | None:
+        """The loaded engine's settings (None when none is loaded)."""
+        engine = self.engine
+        return engine.facts if engine is not None else None
+
+    @property
     def queued(self) -> int:
         """Interactive sequences waiting for a slot, including those not yet handed to the engine
-        (--max-queue bounds these; batch work waits in its batches' files)."""
-        return self._pending + self.waiting("interactive")
-
-    def waiting(self, priority_class: str) -> int:
-        return self.engine.scheduler.waiting.count(priority_class) if self.engine else 0
-
-    def running_in(self, priority_class: str) -> int:
-        return sum(s.priority_class == priority_class for s in list(self.engine.scheduler.running)) if self.engine else 0
+        (--max-queue bounds these; batch work waits in its batches' files). Never fewer than
+        there are: a request counts as pending until the snapshot shows it waiting."""
+        return self._pending + self.snapshot.waiting["interactive"]
 
     @property
     def busy(self) -> bool:
         """Work in flight: requests not yet taken, sequences, embeddings or batches (read from
         another thread: a snapshot, which a request's lease covers until its work is taken)."""
-        engine = self.engine
-        return bool(self._pending or not self._inbox.empty() or self._pooling or self._batches or (engine is not None and engine.has_work))
+        return bool(self._pending or not self._inbox.empty() or self._pooling or self._batches or self.snapshot.has_work)
 
     @property
     def n_batches(self) -> int:
@@ -266,11 +274,8 @@ class EngineWorker:
         freed in the engine, which goes on)."""
         self._drain_inbox(block=False)
         for submission, seq in list(self._owners.values()):
-            if cancel:
-                self.engine.cancel(seq)
-            seq.finish_reason, seq.error = "error", reason
+            event = (self.engine.cancel(seq, reason) if cancel else None) or self.engine.abandon(seq, reason)
             self._forget(seq)
-            event = Event(seq.index, None, "", "error", reason, seq.sample, seq.uid)
             submission.loop.call_soon_threadsafe(submission.events.put_nowait, [event])
         for pooling in self._pooling:
             pooling.loop.call_soon_threadsafe(_resolve, pooling.done, EngineUnavailable(reason))
@@ -307,8 +312,13 @@ class EngineWorker:
             pass
 
     def _take(self, submission: Submission, prompts: list, params: list[SamplingParams]) -> None:
-        with self._pending_lock:
-            self._pending -= sum(p.n for p in params)
+        try:
+            self._submit(submission, prompts, params)
+        finally:  # (counted as pending until the snapshot counts them as waiting)
+            with self._pending_lock:
+                self._pending -= sum(p.n for p in params)
+
+    def _submit(self, submission: Submission, prompts: list, params: list[SamplingParams]) -> None:
         if self.broken is not None:
             submission.loop.call_soon_threadsafe(_resolve, submission.submitted, EngineUnavailable(self.broken))
             return
@@ -317,6 +327,7 @@ class EngineWorker:
         except Exception as e:  # e.g. a chat template the model cannot render
             submission.loop.call_soon_threadsafe(_resolve, submission.submitted, e)
             return
+        self.engine.publish()
         submission.sequences = sequences
         for seq in sequences:
             if seq.finish_reason is None:  # not refused, and not done at once (max_tokens 0)
