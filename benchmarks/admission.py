@@ -11,7 +11,7 @@ import random
 import time
 
 from llamabatch import SamplingParams
-from llamabatch.engine.scheduler import Scheduler
+from llamabatch.engine.scheduling.scheduler import Scheduler
 from llamabatch.engine.sequence import Sequence
 
 from .harness import Spread

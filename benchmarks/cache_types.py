@@ -19,7 +19,7 @@ from pathlib import Path
 from llamabatch import BatchEngine
 from llamabatch.engine.config import EngineConfig
 from llamabatch.engine.config import parse_size
-from llamabatch.engine.planning import plan_for
+from llamabatch.engine.sizing.planning import plan_for
 from llamabatch.measure import sweep as sweep_bench
 
 from .harness import ROOT, Spread, alternate, cli, json_lines, model_path, native_output, paired, run as run_command, tiny_model

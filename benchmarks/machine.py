@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from llamabatch.engine.tuning import cpu_model
+from llamabatch.engine.sizing.tuning import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

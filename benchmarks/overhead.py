@@ -7,26 +7,30 @@ has B sequence slots as llama-batched-bench does: within it, llama-batched-bench
 scripts/build_native.sh, same llama.cpp) runs beside it with the same settings.
 `--before DIR` (another checkout) runs its sweep too, alternating with this one.
 
-Then, in this process, each step of a greedy run is split into the time inside llama_decode and
-the rest (llamabatch's Python: the batch, the logits, sampling, bookkeeping): the ratio to native
-is about native's step over (ours inside llama_decode + the rest), which is why it differs
-between machines whose Python and whose matrix kernels differ in speed.
+Then each step of a greedy run is split into the time inside llama_decode and the rest
+(llamabatch's Python: the batch, the logits, sampling, bookkeeping), in a fresh process a round
+(and, with --before, the other checkout's split beside it, alternating): the ratio to native is
+about native's step over (ours inside llama_decode + the rest), which is why it differs between
+machines whose Python and whose matrix kernels differ in speed. The Python per step is also
+fitted as a fixed cost plus a cost per sequence, over the batch sizes.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import llama_cpp
 import numpy as np
 
 from llamabatch import BatchEngine, SamplingParams
-from llamabatch.engine import native
 from llamabatch.measure.sweep import SweepSettings, native_run
 
 from .harness import ROOT, Spread, alternate, cli, json_lines, median, model_path, paired, run as run_command, tiny_model
@@ -52,7 +56,7 @@ def bare_loop(model: str, b: int, args) -> list[float]:
     (decode B rows, read the logits, one numpy argmax, write the tokens and positions back; no
     bookkeeping at all) over native's, a ratio each round, native run beside it."""
     settings = SweepSettings(batch_sizes=(b,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
-    llama_cpp, ratios = native.llama_cpp, []
+    ratios = []
     with BatchEngine(model, n_parallel=b, n_ctx=settings.context, n_threads=args.threads, kv_unified=args.kv_unified) as engine:
         ctx, n_vocab, n_batch = engine.ctx.handle, engine.vocab.n_vocab, engine.ctx.n_batch  # the engine's context, never stepped
         batch = llama_cpp.llama_batch_init(max(b, n_batch), 0, 1)
@@ -96,7 +100,7 @@ def step_split(model: str, b: int, args, slots: int | None = None, native_too: b
     settings = SweepSettings(batch_sizes=(slots,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
     context = settings.context
     inside = [0.0, 0]
-    real = native.llama_cpp.llama_decode
+    real = llama_cpp.llama_decode
 
     def timed(ctx, batch):
         started = time.perf_counter()
@@ -115,16 +119,37 @@ def step_split(model: str, b: int, args, slots: int | None = None, native_too: b
         sequences = engine.submit(prompts, params)
         while any(s.t_first_token is None for s in sequences):  # the prefill, not counted
             engine.step()
-        native.llama_cpp.llama_decode = timed
+        llama_cpp.llama_decode = timed
         try:
             started = time.perf_counter()
             while engine.has_work:
                 engine.step()
             wall = time.perf_counter() - started
         finally:
-            native.llama_cpp.llama_decode = real
+            llama_cpp.llama_decode = real
     steps = inside[1]
     return inside[0] / steps * 1e6, (wall - inside[0]) / steps * 1e6, native_step
+
+
+def split_in(tree: Path, model: str, b: int, args, native_too: bool) -> tuple[float, float, float | None]:
+    """step_split in a fresh process whose llamabatch is `tree`'s (this checkout's benchmarks):
+    a shim folder puts that tree's package first on the path."""
+    with tempfile.TemporaryDirectory() as shim:
+        (Path(shim) / "llamabatch").symlink_to(tree / "llamabatch")
+        settings = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}
+        code = ("import argparse, json; from benchmarks.overhead import step_split; "
+                f"print(json.dumps(step_split({model!r}, {b}, argparse.Namespace(**{settings!r}), native_too={native_too})))")
+        _, out = run_command([sys.executable, "-c", code], env={"PYTHONPATH": os.pathsep.join([shim, str(ROOT)])}, cwd=shim)
+    return tuple(json.loads([line for line in out.splitlines() if line.startswith("[")][-1]))
+
+
+def per_sequence(points: dict[int, float]) -> tuple[float, float]:
+    """The Python per step fitted (least squares) as fixed + per_sequence * B: (fixed, per sequence) in µs."""
+    sizes = sorted(points)
+    if len(sizes) < 2:
+        return points[sizes[0]], 0.0
+    slope, intercept = np.polyfit(sizes, [points[b] for b in sizes], 1)
+    return float(intercept), float(slope)
 
 
 def run(args, report) -> None:
@@ -144,7 +169,9 @@ def run(args, report) -> None:
                             for p in json_lines(run_command(command, env={"PYTHONPATH": path}, cwd=tree)[1])}
 
         runs = alternate({name: sweep(tree) for name, tree in trees.items()}, args.rounds, label="sweeps")
-        split = {b: [step_split(model, b, args) for _ in range(args.rounds)] for b in sizes}
+        splits = {b: alternate({name: (lambda tree=tree, name=name: split_in(tree, model, b, args, native_too=name == "llamabatch"))
+                                for name, tree in trees.items()}, args.rounds, label=f"step split B={b}") for b in sizes}
+        split = {b: splits[b]["llamabatch"] for b in sizes}
         floor = {b: bare_loop(model, b, args) for b in sizes}
         by_slots = {n: [] for n in SLOTS}
         for _ in range(args.rounds):
@@ -174,6 +201,19 @@ def run(args, report) -> None:
     )
     for b in sizes:
         report.figure(f"python_us_per_step_b{b}", Spread.of([x[1] for x in split[b]]))
+    fits = {name: per_sequence({b: median([x[1] for x in splits[b][name]]) for b in sizes}) for name in trees}
+    for name, (fixed, each) in fits.items():
+        report.figure(f"python_us_fixed_{name}", round(fixed, 2))
+        report.figure(f"python_us_per_sequence_{name}", round(each, 3))
+    report.table(
+        "llamabatch's Python per step (µs outside llama_decode), each checkout in its own process, alternating",
+        ["B", *(f"{name}" for name in trees), *(["after / before"] if len(trees) > 1 else [])],
+        [[b, *(Spread.of([x[1] for x in splits[b][name]]) for name in trees),
+          *([paired([x[1] for x in splits[b]["llamabatch"]], [x[1] for x in splits[b]["before"]])] if len(trees) > 1 else [])]
+         for b in sizes] + [["fit: fixed + per sequence", *(f"{fixed:.1f} + {each:.2f} B" for fixed, each in fits.values()),
+                             *([""] if len(trees) > 1 else [])]],
+        "Medians (lowest–highest) of the rounds; the fit is least squares over the batch sizes' medians.",
+    )
     report.table(
         "The floor: a loop of bare ctypes calls against native (S_TG / native S_TG)",
         ["B", "bare loop / native", "llamabatch / native (first table)"],

@@ -64,7 +64,7 @@ def sweep_plot(data: dict, path: Path) -> None:
 
 
 def tune_plot(data: dict, path: Path) -> None:
-    from llamabatch.engine.tuning import Tuning
+    from llamabatch.engine.sizing.tuning import Tuning
     from llamabatch.measure.plot import tune_plot as draw
 
     measured = Tuning.from_dict(data["figures"]["tuning"])

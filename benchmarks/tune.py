@@ -20,7 +20,7 @@ import numpy as np
 
 from llamabatch import BatchEngine, SamplingParams
 from llamabatch.engine.config import parse_duration
-from llamabatch.engine.tuning import Tuning
+from llamabatch.engine.sizing.tuning import Tuning
 
 from .batch import FORMS, SUBJECTS
 from .harness import cli, json_lines, progress, run as run_command, tiny_model

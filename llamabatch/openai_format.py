@@ -15,9 +15,9 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from .chat import Tools
 from .chat.conversation import Answer
 from .engine import BatchEngine, SamplingParams, Sequence
-from .engine.constraints import Constraint
-from .engine.native import Vocab
-from .engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED
+from .engine.sampling.constraints import Constraint
+from .engine.native.handles import Vocab
+from .engine.sampling.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED
 from .errors import ConstraintError, LlamabatchError, SamplingError, UnknownModel
 
 MAX_PRIORITY = 1000  # |priority|: a thousand levels of aging is over 80 minutes
@@ -472,7 +472,7 @@ def choice_index(seq: Sequence) -> int:
 def completion_choices(sequences: Seq[Sequence], vocab: Vocab, shown: Shown) -> list[dict]:
     choices = []
     for s in sequences:
-        choice = {"index": choice_index(s), "text": (s.prompt if shown.echo else "") + s.text.text,
+        choice = {"index": choice_index(s), "text": (s.prompt if shown.echo else "") + s.text,
                   "logprobs": completion_logprobs(s, s.logprobs, vocab, echo=shown.echo),
                   "finish_reason": s.finish_reason}
         if shown.prompt_logprobs is not None:
@@ -484,7 +484,7 @@ def completion_choices(sequences: Seq[Sequence], vocab: Vocab, shown: Shown) -> 
 def chat_choices(sequences: Seq[Sequence], vocab: Vocab, answer: Answer | None = None) -> list[dict]:
     choices = []
     for s in sequences:
-        message = (answer or Answer()).message(s.text.text)
+        message = (answer or Answer()).message(s.text)
         choices.append({"index": s.sample, "message": message, "logprobs": chat_logprobs(s.logprobs, s, vocab),
                         "finish_reason": Answer.finish_reason(s.finish_reason, "tool_calls" in message)})
     return choices

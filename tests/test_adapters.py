@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from llamabatch import BatchEngine, LlamabatchError, SamplingParams
-from llamabatch.engine.native import Batch, Context, LoraAdapter, Model
+from llamabatch.engine.native.handles import Batch, Context, LoraAdapter, Model
 from llamabatch.errors import ConfigError, ModelError, SamplingError, UnknownModel
 from llamabatch.jobs import BatchJob
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from llamabatch import BatchEngine, SamplingParams
 from llamabatch.cli import app
-from llamabatch.engine.planning import KvShape, current_rss, plan_for
+from llamabatch.engine.sizing.planning import KvShape, current_rss, plan_for
 from llamabatch.errors import ConfigError
 
 from tiny_model import write_tiny_model

@@ -8,11 +8,12 @@ import sys
 
 import pytest
 
-import llamabatch.engine.native as native
+from llamabatch.engine.native import backend
 from llamabatch import SamplingParams
 from llamabatch.measure.determinism import verify
 from llamabatch import ConfigError, PromptError
-from llamabatch.engine.scheduler import Filler, Scheduler
+from llamabatch.engine.scheduling.fillers import Filler
+from llamabatch.engine.scheduling.scheduler import Scheduler
 from llamabatch.engine.step import Step
 from llamabatch.engine.sequence import Sequence
 
@@ -57,7 +58,7 @@ def test_samples_equal_solo_runs_seeded_seed_plus_k(make_engine, n):
 
 
 def test_prefill_runs_alone_and_decoders_wait_for_at_most_n_batch_prompt_tokens():
-    sched = Scheduler(n_slots=4, n_batch=10, share_prefixes=False, batch_invariant=True)
+    sched = Scheduler(n_slots=4, n_batch=10, share_prefixes=False, deterministic=True)
     seqs = [Sequence(i, "p", SamplingParams(), list(range(100 * i, 100 * i + 5 + i)), 5 + i) for i in range(3)]
     for s in seqs:
         sched.add(s)
@@ -78,7 +79,7 @@ def test_prefill_runs_alone_and_decoders_wait_for_at_most_n_batch_prompt_tokens(
 def decoding(n_slots: int, n_past: dict[int, int], **settings) -> tuple[Scheduler, Step]:
     """A deterministic scheduler with every slot taken; the sequences in n_past (seq_id -> cells
     held) decode one token each this step, the others wait for their prefill."""
-    sched = Scheduler(n_slots, n_batch=64, share_prefixes=False, batch_invariant=True, **settings)
+    sched = Scheduler(n_slots, n_batch=64, share_prefixes=False, deterministic=True, **settings)
     for i in range(n_slots):
         sched.add(Sequence(i, "p", SamplingParams(), [1, 2, 3], 3))
     for s in sched.admit():
@@ -125,9 +126,9 @@ def test_deterministic_mode_refuses_settings_that_break_it(make_engine):
 
 def test_it_cannot_start_after_ggml_chose_its_matmul(monkeypatch):
     monkeypatch.delenv("GGML_CPU_TILED_MM", raising=False)
-    monkeypatch.setattr(native, "_decoded", True)
+    monkeypatch.setattr(backend.process, "decoded", True)
     with pytest.raises(ConfigError, match="before this process decodes anything"):
-        native.use_row_invariant_matmul()
+        backend.use_row_invariant_matmul()
 
 
 @pytest.mark.real_model

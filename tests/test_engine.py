@@ -176,7 +176,7 @@ def test_sampled_rows_drawn_on_several_threads_are_the_rows_drawn_on_one(make_en
     """The picker shares a step's sampled rows out between threads (each row's draw is its own
     sampler's): the tokens are those one thread draws, and a sampler that raises fails its own
     sequence only, on whichever thread it ran."""
-    from llamabatch.engine.picker import Picker
+    from llamabatch.engine.sampling.picker import Picker
 
     kinds = [SamplingParams(temperature=0.9, top_p=0.9, top_k=0), SamplingParams(temperature=1.2, repeat_penalty=1.3),
              SamplingParams(temperature=0.7, typical_p=0.8), SamplingParams(temperature=0.8, min_p=0.1)]  # typical_p: llama.cpp's chain

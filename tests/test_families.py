@@ -22,8 +22,8 @@ import pytest
 
 from llamabatch import BatchEngine, SamplingParams
 from llamabatch.engine import Sequence
-from llamabatch.engine.memory import Family
-from llamabatch.engine.planning import KvShape, plan_for
+from llamabatch.engine.memory.streams import Family
+from llamabatch.engine.sizing.planning import KvShape, plan_for
 from llamabatch.openai_format import chat_logprobs
 
 from conftest import wait_for_lines
@@ -506,7 +506,7 @@ def test_sampled_decoding_on_several_threads_draws_what_one_thread_draws(family)
     threads give the tokens one thread gives, and every sequence runs to its length."""
     from dataclasses import replace
 
-    from llamabatch.engine.picker import Picker
+    from llamabatch.engine.sampling.picker import Picker
 
     _, model = family
     kinds = [SamplingParams(temperature=0.9, top_p=0.9, top_k=0), SamplingParams(temperature=1.1, repeat_penalty=1.2),

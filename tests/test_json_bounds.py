@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from llamabatch import ConstraintError, SamplingParams
-from llamabatch.engine.constraints import Constraint
-from llamabatch.engine.json_bounds import DigitBounds, DigitProfile, NumberLexer, Part
+from llamabatch.engine.sampling.constraints import Constraint
+from llamabatch.engine.sampling.json_bounds import DigitBounds, DigitProfile, NumberLexer, Part
 from llamabatch.jobs import BatchJob
 
 

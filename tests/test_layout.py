@@ -110,3 +110,52 @@ def test_the_wings_are_where_the_readme_says():
         init = PACKAGE / wing_name / "__init__.py"
         assert init.is_file()
         assert len(ast.get_docstring(ast.parse(init.read_text())).splitlines()) == 2
+
+
+def test_every_room_of_the_engine_says_in_two_lines_what_it_holds():
+    rooms = [p for p in (PACKAGE / "engine").iterdir() if p.is_dir() and p.name != "__pycache__"]
+    assert {p.name for p in rooms} >= {"sampling", "memory", "speculative", "scheduling", "sizing", "native"}
+    for room in rooms:
+        docstring = ast.get_docstring(ast.parse((room / "__init__.py").read_text()))
+        assert docstring is not None and len(docstring.splitlines()) == 2, room.name
+
+
+# What only the engine's own thread may touch: the parts BatchEngine is assembled from. Outside
+# engine/, code reads the engine through its public methods, the handles it is given (model,
+# vocab, ctx, adapters, batch), its config and stats, and what it publishes (snapshot, facts).
+ENGINE_INTERNALS = {"scheduler", "memory", "stepper", "picker", "post", "reuse", "intake", "runtime", "prompt_cache",
+                    "speculator", "grammars"}
+# Engine modules whose contents are the engine's business: no module outside engine/ imports them.
+INTERNAL_MODULES = ("llamabatch.engine.scheduling.scheduler", "llamabatch.engine.scheduling.composer",
+                    "llamabatch.engine.scheduling.slots", "llamabatch.engine.scheduling.leaders",
+                    "llamabatch.engine.memory.streams", "llamabatch.engine.memory.reuse", "llamabatch.engine.stepper",
+                    "llamabatch.engine.sampling.picker", "llamabatch.engine.postprocess", "llamabatch.engine.rows",
+                    "llamabatch.engine.intake", "llamabatch.engine.runtime")
+
+
+def reaches_into_an_engine(path: Path) -> list[str]:
+    """`engine.scheduler`, `worker.engine.memory`, `engine().prompt_cache`, ...: an engine's internal
+    part reached through an expression that names an engine."""
+    found = []
+    where = path.relative_to(PACKAGE.parent) if path.is_relative_to(PACKAGE.parent) else path.name
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
+            owner = ast.unparse(node.value)
+            if owner == "engine" or owner.endswith((".engine", "engine()")):
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_outside_the_engine_reaches_into_it():
+    outside = [p for p in PACKAGE.rglob("*.py") if not p.is_relative_to(PACKAGE / "engine")]
+    reaching = [line for path in outside for line in reaches_into_an_engine(path)]
+    importing = [f"{module_name(p)} imports {target}" for p in outside for target in imports_of(p) if target.startswith(INTERNAL_MODULES)]
+    assert not reaching and not importing, "\n".join(reaching + importing)
+
+
+def test_the_contract_test_finds_a_reach(tmp_path):
+    """The check above would fail on what the server's metrics did before the snapshot."""
+    scrape = tmp_path / "scrape.py"
+    scrape.write_text("def kv(worker):\n    engine = worker.engine\n    return sum(s.n_past for s in engine.scheduler.running)\n"
+                      "def checkpoints(worker):\n    return worker.engine.memory.checkpoints.count\n")
+    assert sorted(reaches_into_an_engine(scrape)) == ["scrape.py:3: engine.scheduler", "scrape.py:5: worker.engine.memory"]

@@ -4,7 +4,7 @@ family, is tests/test_families.py's.)"""
 
 from __future__ import annotations
 
-from llamabatch.engine.memory import Checkpoint, Checkpoints
+from llamabatch.engine.memory.streams import Checkpoint, Checkpoints
 
 
 def checkpoint(n: int, size: int = 10) -> Checkpoint:

@@ -7,7 +7,7 @@ import llama_cpp
 import pytest
 
 from llamabatch import BatchEngine, ConfigError, ModelError, SamplingParams
-from llamabatch.engine.native import Model
+from llamabatch.engine.native.handles import Model
 
 PAIRS = {
     "model": ("llama_model_load_from_file", "llama_model_free"),

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from llamabatch import ConfigError
 from llamabatch.cli import app
-from llamabatch.engine.options import EngineOptions
+from llamabatch.engine.sizing.options import EngineOptions
 
 
 def invoke(*args):

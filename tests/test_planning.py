@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from llamabatch import BatchEngine
 from llamabatch.cli import app
 from llamabatch.engine.config import parse_size
-from llamabatch.engine.options import EngineOptions
-from llamabatch.engine.planning import KvShape, plan, plan_for
+from llamabatch.engine.sizing.options import EngineOptions
+from llamabatch.engine.sizing.planning import KvShape, plan, plan_for
 
 CONFIGS = [  # (n_ctx, n_parallel, kv_unified, n_ubatch)
     (2048, 1, False, 512), (4096, 4, False, 512), (8192, 8, False, 256), (3000, 3, False, 512),

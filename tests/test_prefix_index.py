@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-import llamabatch.engine.prefix_index as prefix_index
-from llamabatch.engine.prefix_index import PrefixIndex
+import llamabatch.engine.scheduling.prefix_index as prefix_index
+from llamabatch.engine.scheduling.prefix_index import PrefixIndex
 from llamabatch.engine.sequence import common_prefix
 
 

@@ -6,8 +6,10 @@ import time
 import pytest
 
 from llamabatch import SamplingParams
-from llamabatch.engine import memory, scheduler
-from llamabatch.engine.scheduler import AGING_S, Scheduler
+from llamabatch.engine.memory import streams
+from llamabatch.engine.scheduling import queue
+from llamabatch.engine.scheduling.queue import AGING_S
+from llamabatch.engine.scheduling.scheduler import Scheduler
 from llamabatch.engine.sequence import Sequence, Status
 from llamabatch.engine.step import Step
 
@@ -84,7 +86,7 @@ def _run_alone(make_engine, prompt, params, **settings):
 @pytest.mark.parametrize("swap", [True, False], ids=["kv-swapped", "kv-recomputed"])
 def test_a_preempted_greedy_sequence_resumes_with_the_tokens_it_gets_unpreempted(make_engine, monkeypatch, swap):
     if not swap:
-        monkeypatch.setattr(memory, "SWAP_BUDGET_BYTES", 0)
+        monkeypatch.setattr(streams, "SWAP_BUDGET_BYTES", 0)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     alone = _run_alone(make_engine, "a low priority request that runs long", params, n_parallel=1)
     engine = make_engine(n_parallel=1)
@@ -111,7 +113,7 @@ def test_a_preempted_greedy_sequence_resumes_with_the_tokens_it_gets_unpreempted
 def test_recomputed_after_preemption_in_deterministic_mode_gives_the_same_tokens(make_engine, monkeypatch):
     """Recomputed KV (a prefill of prompt and generated tokens) equals what decoding built only
     where kernels do not depend on a batch's rows: deterministic mode."""
-    monkeypatch.setattr(memory, "SWAP_BUDGET_BYTES", 0)
+    monkeypatch.setattr(streams, "SWAP_BUDGET_BYTES", 0)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     alone = _run_alone(make_engine, "a low priority request that runs long", params, n_parallel=1, deterministic=True)
     engine = make_engine(n_parallel=1, deterministic=True)
@@ -140,7 +142,7 @@ def test_a_cancelled_swapped_sequence_gives_its_host_memory_back(make_engine):
 def test_a_low_priority_request_under_a_stream_of_high_priority_ones_is_served(make_engine, monkeypatch):
     """One slot, and a new priority-0 request always waiting: without aging the priority-1
     request would wait for as long as the stream lasts. Aged, it runs once it has waited AGING_S."""
-    monkeypatch.setattr(scheduler, "AGING_S", 0.2)
+    monkeypatch.setattr(queue, "AGING_S", 0.2)
     engine = make_engine(n_parallel=1)
     short = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     [low] = engine.add("low", short, priority=1)

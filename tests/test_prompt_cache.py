@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from llamabatch import BatchEngine
-from llamabatch.engine.planning import plan_for
-from llamabatch.engine.prompt_cache import SUFFIX
+from llamabatch.engine.sizing.planning import plan_for
+from llamabatch.engine.memory.prompt_cache import SUFFIX
 from llamabatch.errors import ConfigError
 
 from test_families import GREEDY, alone, assert_same_runs, drain, engine_on

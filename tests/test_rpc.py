@@ -101,7 +101,7 @@ def test_remote_options_without_remotes_are_refused_not_ignored(tiny_model):
 def test_modes_that_cannot_run_on_remotes_are_refused_before_loading(tiny_model):
     with pytest.raises(ConfigError, match="--deterministic .* drop --rpc"):
         BatchEngine(tiny_model, deterministic=True, rpc="127.0.0.1:9")
-    from llamabatch.engine.options import EngineOptions
+    from llamabatch.engine.sizing.options import EngineOptions
 
     with pytest.raises(ConfigError, match="KV cache lives on the remote hosts: give --memory"):
         EngineOptions(model=tiny_model, parallel="auto", rpc="127.0.0.1:9").engine_kwargs()

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from llamabatch.engine import SamplingParams
-from llamabatch.engine.chain import ChainSampler, build_sampler
-from llamabatch.engine.native import Model, init_backend
-from llamabatch.engine.sampling import GreedySampler, RowSampler
-from llamabatch.engine.truncation import Scratch
+from llamabatch.engine.sampling.chain import ChainSampler, build_sampler
+from llamabatch.engine.native.handles import Model
+from llamabatch.engine.native.backend import init_backend
+from llamabatch.engine.sampling.samplers import GreedySampler, RowSampler
+from llamabatch.engine.sampling.truncation import Scratch
 
 SEED = 7
 # Each sampler strong enough to change what is drawn, with the rest at SamplingParams' defaults

@@ -6,9 +6,9 @@ import pytest
 import scipy.stats
 
 from llamabatch import SamplingError, SamplingParams
-from llamabatch.engine.chain import build_sampler
-from llamabatch.engine.sampling import GreedySampler, RowSampler
-from llamabatch.engine.truncation import Scratch, distribution
+from llamabatch.engine.sampling.chain import build_sampler
+from llamabatch.engine.sampling.samplers import GreedySampler, RowSampler
+from llamabatch.engine.sampling.truncation import Scratch, distribution
 
 from reference import reference_distribution, reference_penalties
 

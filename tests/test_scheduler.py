@@ -4,7 +4,7 @@ prefix reuse from a slot's cache and prefix sharing between sequences."""
 import pytest
 
 from llamabatch import SamplingParams
-from llamabatch.engine.scheduler import Scheduler
+from llamabatch.engine.scheduling.scheduler import Scheduler
 from llamabatch.engine.sequence import Sequence, Status
 from llamabatch.engine.step import Step
 
@@ -32,8 +32,7 @@ def run_chunks(step: Step) -> None:
         done = n == s.n_pending
         s.advance(n)
         for f in [f for f in s.followers if f.n_shared == s.n_past]:
-            s.followers.remove(f)
-            f.leader = None
+            f.unfollow()
             f.hold(f.n_shared)
         if done:
             s.tokens.append(999)
@@ -201,5 +200,5 @@ def test_evicting_cached_prefixes_empties_every_free_slot():
     run_chunks(schedule(sched))
     sched.release(a)
     sched.release(b)
-    assert sorted(sched.evict_cached()) == [0, 1]
-    assert sched.evict_cached() == []
+    assert sorted(sched.slots.evict_cached()) == [0, 1]
+    assert sched.slots.evict_cached() == []

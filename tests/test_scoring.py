@@ -9,7 +9,7 @@ import pytest
 
 from llamabatch import SamplingParams
 from llamabatch.engine.scoring import scored_prompts
-from llamabatch.engine.scheduler import Scheduler
+from llamabatch.engine.scheduling.scheduler import Scheduler
 from llamabatch.engine.sequence import Sequence
 
 from reference import reference_prompt_logprobs

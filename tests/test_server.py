@@ -329,8 +329,8 @@ def test_a_json_schema_llguidance_cannot_read_is_refused_not_a_server_error(base
 def test_prompts_are_tokenized_and_constraints_compiled_off_the_engine_thread(serve, monkeypatch):
     """The engine thread steps every stream: a request's text is tokenized, and its constraint
     compiled, before that thread takes it (a large schema's compile must not stall the others)."""
-    from llamabatch.engine.constraints import Grammars
-    from llamabatch.engine.native import Vocab
+    from llamabatch.engine.sampling.constraints import Grammars
+    from llamabatch.engine.native.handles import Vocab
 
     threads: dict[str, list[str]] = {"tokenize": [], "compile": []}
 

@@ -12,8 +12,10 @@ import pytest
 import scipy.stats
 
 from llamabatch import BatchEngine, ConfigError, ModelError, SamplingParams
-from llamabatch.engine.speculation import DraftPlanner, DraftSampler, DraftState, NgramIndex, draft_length
-from llamabatch.engine.truncation import Scratch
+from llamabatch.engine.speculative.planner import DraftPlanner, DraftState, draft_length
+from llamabatch.engine.speculative.rejection import DraftSampler
+from llamabatch.engine.speculative.ngrams import NgramIndex
+from llamabatch.engine.sampling.truncation import Scratch
 
 from tiny_model import WORD_PIECES, write_tiny_model
 
@@ -28,7 +30,7 @@ def outputs(engine: BatchEngine, params, prompts: list[str] = PROMPTS) -> list[t
     sequences = engine.submit(prompts, params)
     for _ in engine.run():
         pass
-    return [(s.tokens[s.n_prompt :], s.text.text, s.finish_reason,
+    return [(s.tokens[s.n_prompt :], s.text, s.finish_reason,
              [(lp.token, lp.logprob, [t for t, _ in lp.top]) for lp in s.logprobs]) for s in sequences]
 
 
@@ -298,8 +300,8 @@ def test_draft_settings_are_checked(make_engine, tiny_model):
 def test_a_full_draft_context_gives_no_drafts_and_recovers(tiny_model):
     """The draft model's context fills up (three 100-token sequences in 256 cells): that step gets
     no drafts instead of an error, the context is emptied, and the next step drafts again."""
-    from llamabatch.engine.drafters import DraftModel
-    from llamabatch.engine.native import Model
+    from llamabatch.engine.speculative.drafters import DraftModel
+    from llamabatch.engine.native.handles import Model
     from llamabatch.engine.sequence import Sequence
 
     with Model(tiny_model) as target:

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from llamabatch.cli import app
-from llamabatch.engine import tuning
-from llamabatch.engine.options import EngineOptions
-from llamabatch.engine.tuning import MIN_GAIN, TunePoint, Tuning
+from llamabatch.engine.sizing import tuning
+from llamabatch.engine.sizing.options import EngineOptions
+from llamabatch.engine.sizing.tuning import MIN_GAIN, TunePoint, Tuning
 from llamabatch.jobs.estimate import expected_seconds
 
 

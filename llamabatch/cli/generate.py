@@ -11,19 +11,10 @@ import typer
 
 from .. import display
 from ..engine import BatchEngine, Result, SamplingParams, Sequence
-from ..engine.options import EngineOptions
+from ..engine.sizing.options import EngineOptions
 from ..errors import LlamabatchError
 from ..jobs.prompts import gather_prompts
-from .options import (
-    BadWordsOpt, DryAllowedLengthOpt, DryBaseOpt, DryMultiplierOpt, DryPenaltyLastNOpt, DrySequenceBreakersOpt, DynatempExponentOpt, DynatempRangeOpt, MinTokensOpt, MirostatEtaOpt, MirostatOpt, MirostatTauOpt, TopNSigmaOpt, TypicalPOpt, XtcProbabilityOpt, XtcThresholdOpt, further_samplers,
-    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, ChoiceOpt,
-    CtxOpt, CtxPerSeqOpt, DEFAULT, DeterministicOpt, DraftMaxOpt, DraftModelOpt, FlashAttnOpt, FrequencyPenaltyOpt,
-    GpuLayersOpt, GrammarOpt,
-    IgnoreEosOpt, JsonOpt, JsonSchemaOpt, KvUnifiedOpt, LoraOpt, MaxTokensOpt, MemoryOpt, MinPOpt, ModelOpt,
-    ParallelOpt, PresencePenaltyOpt, RegexOpt, RepeatPenaltyOpt, RpcOpt, RpcTimeoutOpt, SamplesOpt, SeedOpt,
-    SharePrefixesOpt, SpeculativeOpt, StopOpt, TemperatureOpt, TensorSplitOpt, ThreadsOpt, TopKOpt, TopPOpt,
-    UbatchOpt, VerboseOpt, constraint, reports_errors,
-)
+from .options import BadWordsOpt, DryAllowedLengthOpt, DryBaseOpt, DryMultiplierOpt, DryPenaltyLastNOpt, DrySequenceBreakersOpt, DynatempExponentOpt, DynatempRangeOpt, MinTokensOpt, MirostatEtaOpt, MirostatOpt, MirostatTauOpt, TopNSigmaOpt, TypicalPOpt, XtcProbabilityOpt, XtcThresholdOpt, further_samplers, BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, ChoiceOpt, CtxOpt, CtxPerSeqOpt, DEFAULT, DeterministicOpt, DraftMaxOpt, DraftModelOpt, FlashAttnOpt, FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt, IgnoreEosOpt, JsonOpt, JsonSchemaOpt, KvUnifiedOpt, LoraOpt, MaxTokensOpt, MemoryOpt, MinPOpt, ModelOpt, ParallelOpt, PresencePenaltyOpt, RegexOpt, RepeatPenaltyOpt, RpcOpt, RpcTimeoutOpt, SamplesOpt, SeedOpt, SharePrefixesOpt, SpeculativeOpt, StopOpt, TemperatureOpt, TensorSplitOpt, ThreadsOpt, TopKOpt, TopPOpt, UbatchOpt, VerboseOpt, constraint, reports_errors
 
 
 @reports_errors
@@ -53,8 +44,8 @@ def run(
     ctx: CtxOpt = None,
     ctx_per_seq: CtxPerSeqOpt = None,
     memory: MemoryOpt = None,
-    batch_size: BatchOpt = None,
-    ubatch_size: UbatchOpt = None,
+    n_batch: BatchOpt = None,
+    n_ubatch: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
     rpc: RpcOpt = None,
@@ -162,8 +153,8 @@ def score(
     ctx: CtxOpt = None,
     ctx_per_seq: CtxPerSeqOpt = None,
     memory: MemoryOpt = None,
-    batch_size: BatchOpt = None,
-    ubatch_size: UbatchOpt = None,
+    n_batch: BatchOpt = None,
+    n_ubatch: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
     rpc: RpcOpt = None,

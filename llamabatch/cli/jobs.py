@@ -9,18 +9,9 @@ import typer
 
 from .. import display
 from ..engine import BatchEngine, SamplingParams
-from ..engine.options import AUTO, EngineOptions
+from ..engine.sizing.options import AUTO, EngineOptions
 from ..errors import LlamabatchError
-from .options import (
-    BadWordsOpt, DryAllowedLengthOpt, DryBaseOpt, DryMultiplierOpt, DryPenaltyLastNOpt, DrySequenceBreakersOpt, DynatempExponentOpt, DynatempRangeOpt, MinTokensOpt, MirostatEtaOpt, MirostatOpt, MirostatTauOpt, TopNSigmaOpt, TypicalPOpt, XtcProbabilityOpt, XtcThresholdOpt, further_samplers,
-    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, ChoiceOpt,
-    CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt,
-    FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt,
-    IgnoreEosOpt, JsonSchemaOpt, KvUnifiedOpt, LoraOpt, MaxTokensOpt, MemoryOpt, MinPOpt, ModelOpt, ParallelOpt,
-    PresencePenaltyOpt, RegexOpt, RepeatPenaltyOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SamplesOpt, SeedOpt,
-    SharePrefixesOpt, SpeculativeOpt, StopOpt, TemperatureOpt, TensorSplitOpt, ThreadsOpt, TopKOpt, TopPOpt,
-    UbatchOpt, VerboseOpt, command_line, constraint, parse_pooling, parse_replicas, reports_errors,
-)
+from .options import BadWordsOpt, DryAllowedLengthOpt, DryBaseOpt, DryMultiplierOpt, DryPenaltyLastNOpt, DrySequenceBreakersOpt, DynatempExponentOpt, DynatempRangeOpt, MinTokensOpt, MirostatEtaOpt, MirostatOpt, MirostatTauOpt, TopNSigmaOpt, TypicalPOpt, XtcProbabilityOpt, XtcThresholdOpt, further_samplers, BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, ChoiceOpt, CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt, IgnoreEosOpt, JsonSchemaOpt, KvUnifiedOpt, LoraOpt, MaxTokensOpt, MemoryOpt, MinPOpt, ModelOpt, ParallelOpt, PresencePenaltyOpt, RegexOpt, RepeatPenaltyOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SamplesOpt, SeedOpt, SharePrefixesOpt, SpeculativeOpt, StopOpt, TemperatureOpt, TensorSplitOpt, ThreadsOpt, TopKOpt, TopPOpt, UbatchOpt, VerboseOpt, command_line, constraint, parse_pooling, parse_replicas, reports_errors
 
 
 @reports_errors
@@ -59,8 +50,8 @@ def batch(
     ctx: CtxOpt = None,
     ctx_per_seq: CtxPerSeqOpt = None,
     memory: MemoryOpt = None,
-    batch_size: BatchOpt = None,
-    ubatch_size: UbatchOpt = None,
+    n_batch: BatchOpt = None,
+    n_ubatch: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
     rpc: RpcOpt = None,

@@ -11,19 +11,15 @@ import typer
 from .. import display
 from ..catalog import Catalog, ModelSpec
 from ..engine import BatchEngine, EngineConfig, SamplingParams
-from ..engine.planning import plan_for
-from ..engine.native import Model, init_backend
-from ..engine import tuning
+from ..engine.sizing.planning import plan_for
+from ..engine.native.handles import Model
+from ..engine.native.backend import init_backend
+from ..engine.sizing import tuning
 from ..engine.config import size_option
-from ..engine.options import EngineOptions, memory_budget
+from ..engine.sizing.options import EngineOptions, memory_budget
 from ..errors import LlamabatchError
 from ..measure import sweep as sweep_bench
-from .options import (
-    CacheRamOpt,
-    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, DeterministicOpt, DraftModelOpt, FlashAttnOpt, GpuLayersOpt,
-    JsonOpt, KvUnifiedOpt, LoraOpt, MemoryOpt, ModelOpt, RpcOpt, RpcTimeoutOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt,
-    UbatchOpt, VerboseOpt, int_list, reports_errors,
-)
+from .options import CacheRamOpt, BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, DeterministicOpt, DraftModelOpt, FlashAttnOpt, GpuLayersOpt, JsonOpt, KvUnifiedOpt, LoraOpt, MemoryOpt, ModelOpt, RpcOpt, RpcTimeoutOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt, UbatchOpt, VerboseOpt, int_list, reports_errors
 
 
 @reports_errors
@@ -60,7 +56,7 @@ def plan(
     ctx_per_seq: Annotated[Optional[int], typer.Option("--ctx-per-seq", help="KV cells per sequence (default: the catalog's).")] = None,
     memory: Annotated[Optional[str], typer.Option("--memory", help="The memory to plan for, e.g. 4GiB (default: what is free now).")] = None,
     kv_unified: Annotated[bool, typer.Option("--kv-unified/--no-kv-unified", help="Plan one KV buffer shared by all sequences.")] = EngineConfig.kv_unified,
-    ubatch_size: UbatchOpt = None,
+    n_ubatch: UbatchOpt = None,
     cache_type_k: CacheTypeKOpt = None,
     cache_type_v: CacheTypeVOpt = None,
     cache_ram: CacheRamOpt = None,
@@ -71,14 +67,14 @@ def plan(
     """How much KV cache each token costs, and the largest --parallel that fits the memory budget."""
     planned, shape = plan_for(
         model, catalog=config, ctx_per_seq=ctx_per_seq, memory=memory_budget(memory), kv_unified=kv_unified,
-        n_ubatch=ubatch_size, cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose,
+        n_ubatch=n_ubatch, cache_type_k=cache_type_k, cache_type_v=cache_type_v, verbose=verbose,
         cache_ram=0 if cache_ram is None else size_option(cache_ram, "--cache-ram"),
     )
     row = {**asdict(planned), "n_ctx": planned.n_ctx, "total_bytes": planned.total_bytes, **asdict(shape),
            "kv_bytes_per_token": shape.bytes_per_token, "cache_type_k": cache_type_k or "f16", "cache_type_v": cache_type_v or "f16"}
     if check:
         planned_options = EngineOptions(model=model, config=config, parallel=planned.n_parallel, ctx=planned.n_ctx,
-                                        ubatch_size=ubatch_size, kv_unified=kv_unified, cache_type_k=cache_type_k,
+                                        n_ubatch=n_ubatch, kv_unified=kv_unified, cache_type_k=cache_type_k,
                                         cache_type_v=cache_type_v, verbose=verbose)
         with BatchEngine(**planned_options.engine_kwargs()) as engine:
             row["allocated_kv_bytes"] = engine.ctx.kv_bytes
@@ -100,8 +96,8 @@ def sweep(
     repeat: Annotated[int, typer.Option(help="Runs per batch size; the median is reported.")] = 1,
     baseline: Annotated[Optional[list[str]], typer.Option(help="Also measure 'sequential' (llama-cpp-python's Llama, one prompt at a time) and/or 'native' (llama-batched-bench).")] = None,
     ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", help="KV cache cells in all (default: room for the largest B).")] = None,
-    batch_size: BatchOpt = None,
-    ubatch_size: UbatchOpt = None,
+    n_batch: BatchOpt = None,
+    n_ubatch: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
     rpc: RpcOpt = None,
@@ -183,8 +179,8 @@ def tune(
     job: Annotated[Optional[Path], typer.Option("--job", help="A batch job file: measure with its mean prompt length, and choose the size that runs it soonest, prefill counted.")] = None,
     memory: MemoryOpt = None,
     again: Annotated[bool, typer.Option("--again", help="Measure even when a measurement is stored.")] = False,
-    batch_size: BatchOpt = None,
-    ubatch_size: UbatchOpt = None,
+    n_batch: BatchOpt = None,
+    n_ubatch: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
     rpc: RpcOpt = None,

@@ -14,7 +14,7 @@ import typer
 
 from .. import display
 from ..engine import SamplingParams
-from ..engine.options import AUTO
+from ..engine.sizing.options import AUTO
 from ..errors import LlamabatchError
 
 DEFAULT = SamplingParams()

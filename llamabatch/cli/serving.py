@@ -14,16 +14,11 @@ import typer
 
 from .. import display
 from ..catalog import Catalog
-from ..engine.native import init_backend
-from ..engine.options import AUTO, EngineOptions, memory_budget
+from ..engine.native.backend import init_backend
+from ..engine.sizing.options import AUTO, EngineOptions, memory_budget
 from ..engine.rpc import DEFAULT_PORT as DEFAULT_RPC_PORT
 from ..errors import LlamabatchError
-from .options import (
-    BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, CtxOpt, CtxPerSeqOpt,
-    DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt,
-    MaxItlOpt, ParallelOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SharePrefixesOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt,
-    UbatchOpt, VerboseOpt, parse_pooling, parse_replicas, reports_errors,
-)
+from .options import BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt, MaxItlOpt, ParallelOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SharePrefixesOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt, UbatchOpt, VerboseOpt, parse_pooling, parse_replicas, reports_errors
 
 if TYPE_CHECKING:  # the server's imports load only when serving
     from ..serve.app import ServerSettings
@@ -60,8 +55,8 @@ def serve(
     data_dir: Annotated[Optional[Path], typer.Option(help="Files and batches of the Batch API (/v1/files, /v1/batches), kept across restarts (default: ~/.local/share/llamabatch).")] = None,
     max_upload_mb: Annotated[int, typer.Option(help="Largest file upload, in MiB (413 beyond).")] = 200,
     scheduling_policy: Annotated[Optional[str], typer.Option(help="'priority' (default: by the requests' priority, batches below interactive requests, preempting) or 'fcfs'.")] = None,
-    batch_size: BatchOpt = None,
-    ubatch_size: UbatchOpt = None,
+    n_batch: BatchOpt = None,
+    n_ubatch: UbatchOpt = None,
     threads: ThreadsOpt = None,
     gpu_layers: GpuLayersOpt = None,
     rpc: RpcOpt = None,

@@ -4,7 +4,7 @@ It imports nothing of serve, jobs, measure or cli; only the top-level errors and
 from .batch_engine import BatchEngine
 from .config import EngineConfig
 from .results import Event, Result, RunStats, Timings, TokenLogprob
-from .sampling import SamplingParams
+from .sampling.params import SamplingParams
 from .sequence import Sequence, Status
 
 __all__ = [

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..catalog import AdapterSpec, check_gguf
 from ..errors import ConfigError, ModelError, SamplingError, UnknownModel
-from .native import Context, LoraAdapter, Model
+from .native.handles import Context, LoraAdapter, Model
 
 # (adapter id, scale) pairs by id, without zero scales: what a sequence decodes under. () is the
 # base model. Ids number the engine's adapters as llama-server does: --lora ones first, in order.

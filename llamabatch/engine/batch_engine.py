@@ -14,18 +14,19 @@ from ..chat import Tools
 from ..chat.conversation import ChatPrompt
 from ..errors import ConfigError, PromptError
 from .config import EngineConfig
-from .constraints import Grammars
+from .sampling.constraints import Grammars
 from .embedding import Embedder, Pooling, finish
 from .intake import Intake, PromptInput
-from .picker import Picker
+from .sampling.picker import Picker
 from .postprocess import Postprocessor, event
 from .results import Event, Result, RunStats, Score
 from .runtime import Runtime
-from .sampling import SamplingParams
-from .scheduler import LONE_ROW_MAX_CELLS, Scheduler
+from .sampling.params import SamplingParams
+from .scheduling.fillers import LONE_ROW_MAX_CELLS
+from .scheduling.scheduler import Scheduler
 from .scoring import scored_prompts, total_score
 from .sequence import Sequence, Status
-from .slot_cache import SlotCache
+from .memory.reuse import PrefixReuse
 from .snapshot import IDLE, EngineFacts, EngineSnapshot, take
 from .stepper import Stepper
 
@@ -73,10 +74,10 @@ class BatchEngine:
         self.grammars = Grammars(self.vocab)
         self.stats = RunStats()  # one object every part counts into
         self.intake = Intake(cfg, runtime, self.scheduler, self.grammars)
-        self.slots = SlotCache(self.memory, self.scheduler, self.prompt_cache, self.stats)
+        self.reuse = PrefixReuse(self.memory, self.scheduler, self.prompt_cache, self.stats)
         self.post = Postprocessor(cfg, self.vocab, self.memory, self.scheduler, self.stats)
         self.picker = Picker(self.grammars, runtime.scratch, cfg.n_threads)  # its sampling threads are closed with the engine
-        self.stepper = Stepper(cfg, runtime, self.scheduler, self.slots, self.picker, self.post, self.stats)
+        self.stepper = Stepper(cfg, runtime, self.scheduler, self.reuse, self.picker, self.post, self.stats)
         self.facts = self._facts()
         self.snapshot: EngineSnapshot = IDLE  # what other threads read (publish)
         self._published_at = 0.0
@@ -96,7 +97,7 @@ class BatchEngine:
     def _scheduler(self) -> Scheduler:
         cfg, float_weights = self.config, self.model.float_weights
         return Scheduler(
-            cfg.n_parallel, self.ctx.n_batch, cfg.share_prefixes, batch_invariant=cfg.deterministic, n_streams=self.runtime.n_streams,
+            cfg.n_parallel, self.ctx.n_batch, cfg.share_prefixes, deterministic=cfg.deterministic, n_streams=self.runtime.n_streams,
             # Float weights round differently for one row than for two (Stepper.filler_logits): every
             # lone row gets a deterministic filler. (Quantized weights measured the same on both paths.)
             lone_row_max_cells=0 if float_weights else LONE_ROW_MAX_CELLS,
@@ -120,7 +121,7 @@ class BatchEngine:
         """Queue a prompt (text, or token ids) for params.n samples, which share its KV. With
         score_from (or params.prompt_logprobs, which scores from the second token), the prompt's
         tokens from that index on get their log-probabilities as it is decoded. A lower priority
-        runs first (scheduler.rank), preempting worse-ranked sequences when no slot is free.
+        runs first (queue.rank), preempting worse-ranked sequences when no slot is free.
         Raises PromptError (or SamplingError, ConstraintError) when it cannot run; nothing is
         queued then."""
         return self.intake.add(prompt, params, index, score_from=score_from, priority=priority, priority_class=priority_class)
@@ -240,7 +241,7 @@ class BatchEngine:
 
     def drop_cached_prefixes(self) -> None:
         """Free the KV that finished sequences left in their slots for later prompts."""
-        self.slots.drop_cached_prefixes()
+        self.reuse.drop_cached_prefixes()
 
     # -- embeddings --------------------------------------------------------------------
 
@@ -285,7 +286,7 @@ class BatchEngine:
             seq.close_samplers()
         cache = self.prompt_cache
         if cache is not None and cache.folder is not None and self.broken is None:
-            self.slots.keep_free_slots()
+            self.reuse.keep_free_slots()
         self.runtime.close()
 
     def __enter__(self) -> BatchEngine:

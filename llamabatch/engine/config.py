@@ -9,7 +9,7 @@ import llama_cpp
 
 from ..catalog import ModelSpec
 from ..errors import ConfigError
-from .native import CACHE_TYPES, FLASH_ATTN
+from .native.handles import CACHE_TYPES, FLASH_ATTN
 from .rpc import offloads, parse_endpoints, parse_tensor_split
 
 UNQUANTIZED = ("f32", "f16", "bf16")  # cache types that need no flash attention
@@ -60,7 +60,7 @@ class EngineConfig:
     deterministic: bool = False  # a sequence's output does not depend on what else is in the batch
     # Speculative decoding ("ngram": prompt lookup; "draft": draft_model, a catalog name or a
     # GGUF path; "off"): sequences propose up to draft_max tokens each, verified in the step's
-    # one decode, where measuring says drafts pay (speculation.DraftPlanner;
+    # one decode, where measuring says drafts pay (planner.DraftPlanner;
     # docs/guides/speculative.md).
     speculative: str = "off"
     draft_model: str | None = None

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import ConfigError, PromptError
 from .config import EMBED_PACK_TOKENS
-from .native import Batch, Context, Model
+from .native.handles import Batch, Context, Model
 
 EMBED_TOKENS = 2048  # the longest text an embedding takes by default
 MAX_TEXTS_PER_DECODE = 64  # sequences per decode: llama.cpp allows 256; 64 short texts already fill a batch

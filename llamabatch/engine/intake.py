@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from ..chat import Tools
 from ..chat.conversation import ChatPrompt
 from ..errors import ChatTemplateError, ConstraintError, PromptError, SamplingError
-from .chain import build_sampler
+from .sampling.chain import build_sampler
 from .config import EngineConfig
-from .constraints import Constraint, Grammars
+from .sampling.constraints import Constraint, Grammars
 from .runtime import Runtime
-from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .sampling.params import SamplingParams
+from .scheduling.scheduler import Scheduler
 from .sequence import Sequence, Status
-from .thinking import Thought
+from .sampling.thinking import Thought
 
 
 @dataclass(frozen=True)

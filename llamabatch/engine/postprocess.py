@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 
 from .config import EngineConfig
-from .memory import Memory
-from .native import Vocab
+from .memory.streams import Memory
+from .native.handles import Vocab
 from .results import Event, RunStats
-from .scheduler import Scheduler
+from .scheduling.scheduler import Scheduler
 from .sequence import Sequence, Status
 
 
@@ -38,7 +38,7 @@ class Postprocessor:
         eog, piece = known
         if eog and not seq.params.ignore_eos:
             return self.finish(seq, token, "", "stop")
-        stream = seq.text
+        stream = seq.stream
         text = stream.push(piece)
         if seq.thought is not None and not seq.forced:
             seq.forced = seq.thought.after(piece.decode(errors="replace")) or []
@@ -52,7 +52,7 @@ class Postprocessor:
     def finish(self, seq: Sequence, token: int | None, text: str, reason: str, error: str | None = None) -> Event:
         """The sequence is done; its KV stays in its slot as a prefix cache for later prompts
         (when prefixes are shared; else it is freed, so a deterministic filler finds room there)."""
-        text += seq.text.finish()
+        text += seq.stream.finish()
         self.memory.drop_swap(seq)
         seq.end(reason, error)
         if seq.incomplete:

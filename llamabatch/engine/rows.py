@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .scheduler import Filler
+from .scheduling.fillers import Filler
 from .step import Step
 
 

@@ -12,12 +12,13 @@ from ..errors import ChatTemplateError, ConfigError, ModelError
 from .adapters import Adapters
 from .config import RPC_TIMEOUT_S, EngineConfig
 from .embedding import MAX_TEXTS_PER_DECODE, Embedder, Pooling, model_pooling
-from .memory import Family, Memory
-from .native import Batch, Context, Model, init_backend, use_row_invariant_matmul
-from .prompt_cache import PromptCache, fingerprint
+from .memory.streams import Family, Memory
+from .native.handles import Batch, Context, Model
+from .native.backend import init_backend, use_row_invariant_matmul
+from .memory.prompt_cache import PromptCache, fingerprint
 from .rpc import guard as rpc_guard, local_accelerators, remote_devices
-from .speculator import Speculator
-from .truncation import Scratch
+from .speculative.speculator import Speculator
+from .sampling.truncation import Scratch
 
 
 class Runtime:

@@ -5,7 +5,7 @@ item's total over its sequences. The log-probabilities themselves are taken in t
 from __future__ import annotations
 
 from ..errors import PromptError
-from .native import Vocab
+from .native.handles import Vocab
 from .results import Score
 from .sequence import Sequence
 

@@ -10,14 +10,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .adapters import BASE, AdapterSet
-from .thinking import Thought
+from .sampling.thinking import Thought
 from .results import PromptScore, Result, Timings, TokenLogprob
-from .sampling import GreedySampler, RowSampler, SamplingParams
-from .speculation import DraftSampler, DraftState
+from .sampling.samplers import GreedySampler, RowSampler
+from .sampling.params import SamplingParams
+from .speculative.rejection import DraftSampler
+from .speculative.planner import DraftState
 from .text import TextStream
 
 if TYPE_CHECKING:
-    from .constraints import Matcher
+    from .sampling.constraints import Matcher
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -44,7 +46,7 @@ class Sequence:
     n_prompt: int
     max_len: int = 1 << 62  # its tokens when it must stop ("length"): max_tokens generated, or a full context
     sampler: GreedySampler | RowSampler | None = None
-    text: TextStream = field(init=False)
+    stream: TextStream = field(init=False)  # its text, shown as it comes
     status: Status = Status.WAITING
     seq_id: int = -1  # llama.cpp sequence id while RUNNING
     # Tokens already in its memory (the KV cache, or a recurrent state). Changed only through the
@@ -75,7 +77,7 @@ class Sequence:
     n_shared: int = 0
     followers: list[Sequence] = field(default_factory=list)
     # Admission: lower priority values run first (vLLM's convention), aged by waiting time
-    # (scheduler.rank); the class names the entry point, for metrics ("interactive", "batch").
+    # (queue.rank); the class names the entry point, for metrics ("interactive", "batch").
     priority: int = 0
     priority_class: str = "interactive"
     adapters: AdapterSet = BASE  # the LoRA adapters it decodes under (its KV is theirs)
@@ -89,9 +91,9 @@ class Sequence:
     t_finished: float | None = None
 
     def __post_init__(self) -> None:
-        self.text = TextStream(self.params.stop)
+        self.stream = TextStream(self.params.stop)
 
-    # -- the one writer of its status, place in memory, draft and end ------------------------
+    # -- the one writer of its status, place in memory, leader, draft and end ----------------
 
     def admit(self, seq_id: int, n_reusable: int) -> None:
         """It holds a slot now; a sequence that was not swapped out starts from the n_reusable
@@ -125,6 +127,24 @@ class Sequence:
         """It gives its slot back: waiting again (preempted), or finished."""
         self.seq_id, self.status = -1, status
 
+    def follow(self, leader: Sequence, n_shared: int) -> None:
+        """It waits, unscheduled, until `leader` holds its first n_shared tokens, to have them copied."""
+        self.leader, self.n_shared = leader, n_shared
+        leader.followers.append(self)
+
+    def unfollow(self) -> None:
+        """It waits for its leader no more: it got the prefix."""
+        self.leader.followers.remove(self)
+        self.leader = None
+
+    def part(self) -> None:
+        """It leaves the running set: it follows no one, and its followers prefill on their own."""
+        if self.leader is not None:
+            self.unfollow()
+        for follower in self.followers:
+            follower.leader = None
+        self.followers = []
+
     def end(self, reason: str, error: str | None = None) -> None:
         """It is done: "stop", "length", "error" (with why) or "cancelled"."""
         self.finish_reason, self.error, self.t_finished = reason, error, time.perf_counter()
@@ -135,6 +155,11 @@ class Sequence:
 
     def drop_draft(self) -> None:
         self.draft = []
+
+    @property
+    def text(self) -> str:
+        """Its text so far (cut at a stop string)."""
+        return self.stream.text
 
     @property
     def n_generated(self) -> int:
@@ -192,7 +217,7 @@ class Sequence:
             sample=self.sample,
             n_samples=self.params.n,
             prompt=self.prompt,
-            text=self.text.text,
+            text=self.text,
             token_ids=self.tokens[self.n_prompt :],
             finish_reason=self.finish_reason or "error",
             prompt_tokens=self.n_prompt,

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Mapping
 from .adapters import AdapterInfo, AdapterSet
 
 if TYPE_CHECKING:
-    from .memory import Memory
-    from .prompt_cache import PromptCache, TierStats
+    from .memory.streams import Memory
+    from .memory.prompt_cache import PromptCache, TierStats
     from .results import RunStats
-    from .scheduler import Scheduler
+    from .scheduling.scheduler import Scheduler
 
 CLASSES = ("interactive", "batch")  # priority classes, by entry point (Sequence.priority_class)
 

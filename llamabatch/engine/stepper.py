@@ -9,17 +9,18 @@ import numpy as np
 
 from ..errors import DecodeError, EngineBroken
 from .config import EngineConfig
-from .memory import MemoryRefused
-from .native import INVALID_BATCH, KV_FULL
-from .picker import Picker
+from .memory.streams import MemoryRefused
+from .native.handles import INVALID_BATCH, KV_FULL
+from .sampling.picker import Picker
 from .postprocess import Postprocessor
 from .results import Event, RunStats
 from .rows import Layout, lay_out, lay_out_decodes
 from .runtime import Runtime
-from .sampling import score_rows, token_logprob
-from .scheduler import Filler, Scheduler
+from .sampling.samplers import score_rows, token_logprob
+from .scheduling.fillers import Filler
+from .scheduling.scheduler import Scheduler
 from .sequence import Sequence, Status
-from .slot_cache import SlotCache
+from .memory.reuse import PrefixReuse
 from .step import Step
 
 # A step that decodes nothing fails the sequences it carried; this many in a row (different
@@ -31,9 +32,9 @@ class Stepper:
     """schedule → one batch → one decode → sample → postprocess, and the recovery when a decode
     fails: a full KV cache makes room, a sequence that fails a decode fails alone."""
 
-    def __init__(self, config: EngineConfig, runtime: Runtime, scheduler: Scheduler, slots: SlotCache,
+    def __init__(self, config: EngineConfig, runtime: Runtime, scheduler: Scheduler, reuse: PrefixReuse,
                  picker: Picker, post: Postprocessor, stats: RunStats) -> None:
-        self.config, self.scheduler, self.slots, self.picker, self.post, self.stats = config, scheduler, slots, picker, post, stats
+        self.config, self.scheduler, self.reuse, self.picker, self.post, self.stats = config, scheduler, reuse, picker, post, stats
         self.ctx, self.batch, self.memory = runtime.ctx, runtime.batch, runtime.memory
         self.adapters, self.speculator, self.vocab = runtime.adapters, runtime.speculator, runtime.vocab
         # Float weights go through llamafile's sgemm from 2 rows and ggml's vec_dot for 1, which
@@ -73,7 +74,7 @@ class Stepper:
         for victim in self.scheduler.victims():
             self._make_way(victim)
         for seq in self.scheduler.admit():
-            self.slots.resume(seq)
+            self.reuse.resume(seq)
         drafted = self._propose_drafts() if self.speculator is not None else None  # None: nothing planned
         step = self.scheduler.schedule(reserved=sum(len(s.draft) for s in drafted) if drafted else 0)
         carried += step.rows
@@ -245,8 +246,7 @@ class Stepper:
         """The follower gets the leader's prefix copied; one whose whole prompt that is samples
         from the leader's row of the logits (`row`)."""
         self.stats.prompt_tokens_reused += self.memory.share(leader, follower)
-        leader.followers.remove(follower)
-        follower.leader = None
+        follower.unfollow()
         if follower.n_past == follower.n_shared and follower.n_pending == 0 and row >= 0:
             due.append(follower)
             rows.append(row)
@@ -301,9 +301,9 @@ class Stepper:
         """No KV slot for this batch: undo it, then make room by dropping cached prefixes,
         preempting the newest sequence, or (alone) cutting it short."""
         self._undo(scheduled, stored=False)
-        if self.ctx.kv_unified and self.scheduler.has_cached_prefixes:  # cells the batch can use: retry
-            self.slots.keep_free_slots()
-            self.slots.drop_cached_prefixes()
+        if self.ctx.kv_unified and self.scheduler.slots.has_cached:  # cells the batch can use: retry
+            self.reuse.keep_free_slots()
+            self.reuse.drop_cached_prefixes()
             return []
         if len(self.scheduler.running) > 1:
             victim = max(self.scheduler.running, key=self.scheduler.rank_of)  # the worst ranked: the newest of the lowest priority

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..engine import BatchEngine, SamplingParams
-from ..engine.tuning import Tuning
+from ..engine.sizing.tuning import Tuning
 from ..errors import LlamabatchError
 from ..openai_format import EngineInputs, engine_inputs
 from .inputs import BadLine, RequestReader

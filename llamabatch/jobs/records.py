@@ -29,7 +29,7 @@ def result_record(
         return {"id": _batch_id(), "custom_id": request.id,
                 "response": {"status_code": 200, "request_id": _request_id(), "body": body}, "error": None,
                 "request_digest": request.digest}
-    choices = [{"index": s.sample, "text": s.text.text, "finish_reason": s.finish_reason, "completion_tokens": s.n_generated}
+    choices = [{"index": s.sample, "text": s.text, "finish_reason": s.finish_reason, "completion_tokens": s.n_generated}
                for s in sequences]
     return {"id": request.id, "line": request.line, "prompt": request.prompt, "choices": choices, "usage": usage(sequences),
             "request_digest": request.digest}

@@ -53,7 +53,7 @@ class RequestRunner:
         self.format = fmt
         self.incomplete_errors = incomplete_errors  # answers with a cut structured output go to the error file
         self.embedding = embedding
-        # Where its sequences rank (scheduler.rank): a line's own `priority` is added to this.
+        # Where its sequences rank (queue.rank): a line's own `priority` is added to this.
         self.priority, self.priority_class = priority, priority_class
         self._to_embed: list[tuple[JobLine, list[list[int]]]] = []  # embedding requests, pooled a decode's worth at a time
         self._to_embed_tokens = 0

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..engine import BatchEngine, EngineConfig, SamplingParams, Sequence
 from ..errors import LlamabatchError
-from ..engine.planning import KvShape, pad
+from ..engine.sizing.planning import KvShape, pad
 
 
 @dataclass(frozen=True)

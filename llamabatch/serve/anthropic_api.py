@@ -251,8 +251,8 @@ def anthropic_routes(serving: Serving, authorized, errors, reasoning_budget: int
                 return serving.stream(served, _events(reply, served.worker, body.model))
             await reply.drain(served.worker, http)
             seq = submission.sequences[0]
-            message = reply.answer.message(seq.text.text)
-            reason, hit = stop_reason(seq.finish_reason, bool(message.get("tool_calls")), seq.text.stop_hit)
+            message = reply.answer.message(seq.text)
+            reason, hit = stop_reason(seq.finish_reason, bool(message.get("tool_calls")), seq.stream.stop_hit)
             return {"id": _message_id(), "type": "message", "role": "assistant", "model": body.model,
                     "content": content_blocks(message), "stop_reason": reason, "stop_sequence": hit,
                     "usage": message_usage(submission.sequences)}
@@ -285,7 +285,7 @@ async def _events(reply: Reply, worker: EngineWorker, model: str) -> AsyncIterat
         return
     for chunk in blocks.close():
         yield chunk
-    reason, hit = stop_reason(seq.finish_reason, called, seq.text.stop_hit)
+    reason, hit = stop_reason(seq.finish_reason, called, seq.stream.stop_hit)
     yield _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": hit},
                                  "usage": {"output_tokens": seq.n_generated}})
     yield _sse("message_stop", {"type": "message_stop"})

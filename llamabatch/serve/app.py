@@ -25,15 +25,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..catalog import Catalog
 from ..engine import BatchEngine
-from ..embeddings_format import (
-    EmbeddingRequest, RerankRequest, embedding_tokens, embeddings_body, rerank_body, rerank_tokens,
-)
+from ..embeddings_format import EmbeddingRequest, RerankRequest, embedding_tokens, embeddings_body, rerank_body, rerank_tokens
 from ..engine.embedding import Pooling
 from ..errors import LlamabatchError
-from ..openai_format import (
-    ChatRequest, CompletionRequest, check_base_model, engine_inputs, error_body, refusal_status,
-    request_params, validation_message,
-)
+from ..openai_format import ChatRequest, CompletionRequest, check_base_model, engine_inputs, error_body, refusal_status, request_params, validation_message
 from .anthropic_api import anthropic_routes, error_body as anthropic_error_body
 from .batch_api import batch_routes, resume_batches
 from .metrics import Metrics

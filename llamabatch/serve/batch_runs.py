@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..embeddings_format import EMBEDDINGS_URL
 from ..engine import BatchEngine, Event
-from ..engine.scheduler import BATCH_PRIORITY
+from ..engine.scheduling.queue import BATCH_PRIORITY
 from ..errors import LlamabatchError
 from ..jobs import BatchJob
 from ..jobs.inputs import BadLine, JobLine, numbered_lines

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ..catalog import Catalog
 from ..engine.config import EngineConfig
-from ..engine.planning import plan_for
+from ..engine.sizing.planning import plan_for
 from ..errors import LlamabatchError, UnknownModel
 from .worker import EngineWorker
 

@@ -13,10 +13,7 @@ from pydantic import Field
 
 from ..chat.conversation import Answer
 from ..engine import BatchEngine, Event
-from ..openai_format import (
-    NonEmptyStr, SamplingFields, Shown, chat_logprobs, choice_index, completion_logprobs, error_body, failure, new_id,
-    prompt_logprobs, response_body, usage,
-)
+from ..openai_format import NonEmptyStr, SamplingFields, Shown, chat_logprobs, choice_index, completion_logprobs, error_body, failure, new_id, prompt_logprobs, response_body, usage
 from .metrics import Metrics
 from .worker import EngineWorker, Submission
 

@@ -274,7 +274,7 @@ def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int
                 return serving.stream(served, _events(body, chat, reply, served.worker, response_id, created, kept))
             await reply.drain(served.worker, http)
             seq = submission.sequences[0]
-            message = reply.answer.message(seq.text.text)
+            message = reply.answer.message(seq.text)
             status = "incomplete" if seq.finish_reason == "length" else "completed"
             obj = response_object(body, response_id, created, output_items(message), status, submission.sequences)
             await asyncio.to_thread(kept, body, chat, obj, message)

@@ -63,7 +63,7 @@ class Submission:
     submitted: asyncio.Future | None = None  # resolves once the engine has taken the prompts
     n_open: int = 0  # sequences that will send events: counted when taken, before any step runs
     t_start: float = field(default_factory=time.perf_counter)
-    priority: int = 0  # lower runs first (scheduler.rank)
+    priority: int = 0  # lower runs first (queue.rank)
 
 
 @dataclass(eq=False)

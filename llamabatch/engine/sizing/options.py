@@ -9,17 +9,17 @@ from dataclasses import dataclass, fields
 import sys
 from pathlib import Path
 
-from ..catalog import Catalog
-from ..errors import ConfigError
-from .config import EngineConfig
-from .config import size_option, parse_duration, parse_size
+from ...catalog import Catalog
+from ...errors import ConfigError
+from ..config import EngineConfig
+from ..config import size_option, parse_duration, parse_size
 from . import tuning
-from .batch_engine import BatchEngine
+from ..batch_engine import BatchEngine
 from .planning import plan_for
 
 AUTO = "auto"
 # The options the command line names otherwise than EngineConfig does; the rest share its names.
-RENAMED = {"batch_size": "n_batch", "ubatch_size": "n_ubatch", "threads": "n_threads", "scheduling_policy": "scheduling"}
+RENAMED = {"threads": "n_threads", "scheduling_policy": "scheduling"}
 CONFIG_FIELDS = {f.name for f in fields(EngineConfig)} - {"n_parallel", "n_ctx"}  # the slots and cache size: planned apart
 
 
@@ -33,8 +33,8 @@ class EngineOptions:
     ctx: int | None = None  # KV cells in all, shared by the slots
     ctx_per_seq: int | None = None  # KV cells per sequence: --ctx is this times the slots
     memory: str | None = None  # the budget --parallel auto plans for (default: what is free now)
-    batch_size: int | None = None
-    ubatch_size: int | None = None
+    n_batch: int | None = None  # --batch-size: most tokens a llama_decode takes (not sequences)
+    n_ubatch: int | None = None  # --ubatch-size
     threads: int | None = None
     gpu_layers: int | None = None
     kv_unified: bool | None = None
@@ -152,7 +152,7 @@ class EngineOptions:
         kv_unified = EngineConfig.kv_unified if self.kv_unified is None else self.kv_unified
         planned, _ = plan_for(
             self.model, catalog=self.config, ctx_per_seq=ctx_per_seq or self.ctx_per_seq, memory=memory_budget(self.memory),
-            kv_unified=kv_unified, n_ubatch=self.ubatch_size, max_parallel=n_sequences, cache_type_k=self.cache_type_k,
+            kv_unified=kv_unified, n_ubatch=self.n_ubatch, max_parallel=n_sequences, cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v, rpc=self.rpc, verbose=self.verbose,
             checkpoint_memory=None if self.checkpoint_memory is None else size_option(self.checkpoint_memory, "--checkpoint-memory"),
             cache_ram=0 if self.cache_ram is None else size_option(self.cache_ram, "--cache-ram"),

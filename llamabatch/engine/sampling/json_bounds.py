@@ -20,7 +20,7 @@ from enum import Enum
 
 import numpy as np
 
-from ..errors import ConstraintError
+from ...errors import ConstraintError
 
 _DIGITS = frozenset(b"0123456789")
 _EXPONENT = frozenset(b"eE")

@@ -26,9 +26,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from ..errors import LlamabatchError
-from .native import Context, Model
-from .sequence import Sequence
+from ...errors import LlamabatchError
+from ..native.handles import Context, Model
+from ..sequence import Sequence
 
 # Host memory for the memory of sequences preempted to make way for a better priority: kept, it
 # is put back as it was (no prefill again, and greedy output exactly as unpreempted); beyond this

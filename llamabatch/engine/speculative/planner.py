@@ -1,7 +1,4 @@
-"""Speculative decoding: sequences propose draft tokens, the engine verifies them in the same
-llama_decode as every other row, and keeps the run the model agrees with. Drafts come from n-gram
-prompt lookup (a sequence whose last few tokens appeared before, in its prompt or its output,
-proposes the tokens that followed them there) or from a draft model (drafters.py).
+"""Whether and how much sequences draft: each sequence's acceptance rate, and the planner.
 
 Every draft row costs decode time (on a CPU with a 262k-token vocabulary the output layer alone
 makes a row with logits expensive), and a draft model costs its own decodes. `DraftPlanner`
@@ -16,10 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sampling import SamplingParams
-from .truncation import Scratch, distribution
+from .ngrams import NgramIndex
 
-NGRAM_SIZES = (4, 3, 2)  # longest match first: a longer context predicts better
 PRIOR_ACCEPTANCE = 0.8  # the acceptance rate before any verification: optimistic, so drafts get tried
 ACCEPTANCE_MEMORY = 0.8  # weight of the past in a sequence's acceptance rate
 POOLED_MEMORY = 0.9  # and in the rate over all sequences (the last ten or so verifications): a new sequence starts there
@@ -30,35 +25,6 @@ CLEAR_TRIES = 2  # ... or this many, when one way is already more than CLEAR_MAR
 CLEAR_MARGIN = 2.0
 EXPLORE = 0.03  # most share of the steps, and of the time, that try the other way once chosen
 RATE_MEMORY = 0.98  # weight of each earlier step in a way's measured tokens per second
-
-
-@dataclass
-class NgramIndex:
-    """Where each n-gram of a sequence's tokens last ended: drafts from its own prompt and output."""
-
-    indexed: int = 0  # tokens[:indexed] are in the index
-    last_end: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> index right after it
-
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest suffix found."""
-        self._index(tokens)
-        n_tokens = len(tokens)
-        for n in NGRAM_SIZES:
-            if n_tokens <= n:
-                continue
-            end = self.last_end.get(tuple(tokens[n_tokens - n :]))
-            if end is not None:
-                return tokens[end : end + k]
-        return []
-
-    def _index(self, tokens: list[int]) -> None:
-        # An n-gram enters the index once a token follows it (its end < len(tokens)), so a
-        # lookup of the newest suffix finds an earlier occurrence, never itself.
-        for end in range(max(self.indexed, 1), len(tokens)):
-            for n in NGRAM_SIZES:
-                if end >= n:
-                    self.last_end[tuple(tokens[end - n : end])] = end
-        self.indexed = len(tokens)
 
 
 @dataclass
@@ -174,35 +140,3 @@ class DraftPlanner:
         """How long such a step takes, on average, setup included."""
         _, _, steps, seconds = self.totals[bucket, drafting]
         return seconds / steps
-
-
-class DraftSampler:
-    """Verifies a sampled sequence's drafts by rejection sampling, so its tokens keep exactly the
-    distribution of sampling them one step at a time: a draft token d (proposed with certainty)
-    is kept with probability p(d); at the first one refused, the token is drawn from p with d
-    taken out; when all are kept, one more is drawn from the last row. p is what the sequence's
-    own truncation and temperature leave (truncation.distribution, as its own draws use). It
-    draws from the sequence's own generator (two generators of one seed would draw the same
-    numbers, and a draft's test would follow the token before it), so a seed gives other tokens
-    than without speculation."""
-
-    def __init__(self, params: SamplingParams, rng: np.random.Generator) -> None:
-        self.params = params
-        self.rng = rng
-
-    def verify(self, rows: np.ndarray, draft: list[int], scratch: Scratch) -> tuple[list[int], int]:
-        """(the tokens to accept, how many of them are drafts); rows[j] predicts draft[j]."""
-        for j, proposed in enumerate(draft):
-            ids, probs = distribution(rows[j], self.params, scratch)
-            at = np.flatnonzero(ids == proposed)
-            p = float(probs[at[0]]) if at.size else 0.0
-            if self.rng.random() < p:
-                continue
-            probs = probs.copy()
-            probs[at] = 0.0  # the residual max(p - q, 0), q putting all its mass on the draft
-            return draft[:j] + [int(self.rng.choice(ids, p=probs / probs.sum()))], j
-        ids, probs = distribution(rows[len(draft)], self.params, scratch)
-        return draft + [int(self.rng.choice(ids, p=probs))], len(draft)
-
-    def close(self) -> None:
-        pass  # owns nothing native

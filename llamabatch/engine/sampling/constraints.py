@@ -22,10 +22,10 @@ import llguidance.llamacpp
 import llguidance.numpy
 import numpy as np
 
-from ..errors import ConstraintError
+from ...errors import ConstraintError
 from .json_bounds import DigitBounds, DigitProfile, NumberLexer, bounded_formats
-from .native import Vocab
-from .sampling import SamplingParams
+from ..native.handles import Vocab
+from .params import SamplingParams
 
 COMPILED_CACHE = 256  # distinct constraints kept compiled (a batch job sends one schema a million times)
 # JSON without free whitespace ({"a":1}), as OpenAI's structured outputs write it: no run of

@@ -8,109 +8,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import re
-import sys
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
-from ..errors import ConfigError, DecodeError, LlamabatchError, ModelError, PromptError
-from .rpc import guard as rpc_guard
+from ...errors import ConfigError, DecodeError, LlamabatchError, ModelError, PromptError
+from . import backend
+from .backend import awaiting_backends
 
-_backend_ready = False
-# ggml reads GGML_CPU_TILED_MM once, at the process's first matmul: deterministic mode must
-# set it before anything is decoded.
-_decoded = False
 KV_FULL = 1  # llama_decode's "no free KV slot" (DecodeError.code)
 INVALID_BATCH = -1  # llama_decode refused the batch before computing anything (positions, ids, ...)
-GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_CONT = 3, 5  # ggml_log_level (ERROR is 4)
-MAX_KEPT_WARNINGS = 64  # log pieces: a decode's complaint is a few lines
-
-
-class _LogRouter:
-    """llama.cpp logs through one process-wide callback: echoed to stderr when verbose, recorded
-    while a caller captures it (the loader and the context report sizes only there), and its
-    errors and warnings kept, so that a failed call can say what llama.cpp said about it."""
-
-    def __init__(self) -> None:
-        self.verbose = False
-        self.captured: list[str] | None = None
-        self.warnings: list[str] = []  # text of the latest WARN/ERROR messages (and their continuations)
-        self._warning = False  # the last message was one: a continuation (CONT) belongs to it
-
-    def write(self, level: int, text: str) -> None:
-        if self.verbose:
-            sys.stderr.write(text)
-        if self.captured is not None:
-            self.captured.append(text)
-        if level != GGML_LOG_LEVEL_CONT:
-            self._warning = level >= GGML_LOG_LEVEL_WARN
-        if self._warning:
-            self.warnings.append(text)
-            del self.warnings[:-MAX_KEPT_WARNINGS]
-
-    def said_since(self, mark: int) -> str:
-        """What llama.cpp warned about since `mark` (len(warnings) then), as one line."""
-        return " ".join(" ".join(self.warnings[mark:]).split())
-
-    @contextmanager
-    def capture(self) -> Iterator[list[str]]:
-        """Collect the log while the block runs; the list holds its lines afterwards."""
-        self.captured = chunks = []
-        lines: list[str] = []
-        try:
-            yield lines
-        finally:
-            self.captured = None
-            lines.extend("".join(chunks).splitlines())
-
-
-_log = _LogRouter()
-
-
-@llama_cpp.llama_log_callback
-def _on_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    _log.write(level, text.decode(errors="replace"))
-
-
-def use_row_invariant_matmul() -> None:
-    """Turn off ggml's tiled K-quant matmul, whose results depend on how many rows a batch has."""
-    if os.environ.get("GGML_CPU_TILED_MM") == "0":
-        return
-    if _decoded:
-        raise ConfigError(
-            "--deterministic must be chosen before this process decodes anything "
-            "(ggml reads GGML_CPU_TILED_MM once); start a new process, or set GGML_CPU_TILED_MM=0"
-        )
-    os.environ["GGML_CPU_TILED_MM"] = "0"
-
-
-def init_backend(verbose: bool = False) -> None:
-    """Initialise llama.cpp once per process; its log goes to stderr only when verbose."""
-    global _backend_ready
-    _log.verbose = verbose
-    llama_cpp.llama_log_set(_on_log, None)  # again each time: llama-cpp-python's Llama sets its own
-    if not _backend_ready:
-        llama_cpp.llama_backend_init()
-        _backend_ready = True
-
-
-def _awaiting_backends(call, *args):
-    """A call that may wait on the backends (decoding, or reading its outputs, which waits for
-    the decode to finish): timed, while a model is on remotes, so that a remote which never
-    answers is caught (rpc.guard)."""
-    if not rpc_guard.endpoints:  # nothing remote to watch: every step's decode comes this way
-        return call(*args)
-    rpc_guard.since = time.monotonic()
-    try:
-        return call(*args)
-    finally:
-        rpc_guard.since = None
 
 
 class _Owner:
@@ -244,7 +154,7 @@ class Model(_Owner):
                 raise ConfigError(f"--tensor-split gives {len(tensor_split)} shares for {len(devices)} devices")
             shares = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*tensor_split)
             params.tensor_split = shares
-        with _log.capture() as log:
+        with backend.log.capture() as log:
             handle = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not handle:
             raise ModelError(f"llama.cpp could not load {path} (corrupt or unsupported GGUF; --verbose shows why)")
@@ -343,7 +253,7 @@ class LoraAdapter(_Owner):
     kind = "LoRA adapter"
 
     def __init__(self, model: Model, path: Path) -> None:
-        with _log.capture() as log:
+        with backend.log.capture() as log:
             handle = llama_cpp.llama_adapter_lora_init(model.handle, str(path).encode())
         if not handle:
             why = next((line.split("failed to apply lora adapter: ")[-1] for line in log if "failed to apply lora" in line), "")
@@ -394,7 +304,7 @@ class Context(_Owner):
         if pooling is not None:
             params.embeddings = True
             params.pooling_type = pooling
-        with _log.capture() as log:
+        with backend.log.capture() as log:
             handle = llama_cpp.llama_init_from_model(model.handle, params)
         if not handle:
             # llama.cpp's refusals (a cache type the model's heads cannot take, ...) come last.
@@ -434,19 +344,18 @@ class Context(_Owner):
             raise ModelError("llama.cpp refused the LoRA adapter set (llama_set_adapters_lora)")
 
     def decode(self, batch: Batch) -> None:
-        global _decoded
-        _decoded = True
-        mark = len(_log.warnings)
-        code = _awaiting_backends(llama_cpp.llama_decode, self.handle, batch.struct)
+        backend.process.decoded = True
+        mark = len(backend.log.warnings)
+        code = awaiting_backends(llama_cpp.llama_decode, self.handle, batch.struct)
         if code != 0:
-            raise DecodeError(code, _log.said_since(mark) or None)
+            raise DecodeError(code, backend.log.said_since(mark) or None)
 
     def output_logits(self, n_outputs: int, n_vocab: int) -> np.ndarray:
         """The last decode's logits, one row per batch row that asked for them, in batch order
         (llama.cpp puts its outputs back in that order first): a view, valid until the next decode.
         Views are kept per (address, rows): llama.cpp reuses its buffer, and building a view costs
         more than a small model's whole sampling step."""
-        address = ctypes.addressof(_awaiting_backends(llama_cpp.llama_get_logits, self.handle).contents)
+        address = ctypes.addressof(awaiting_backends(llama_cpp.llama_get_logits, self.handle).contents)
         view = self._logits_views.get((address, n_outputs))
         if view is None:
             rows = (ctypes.c_float * (n_outputs * n_vocab)).from_address(address)
@@ -455,14 +364,14 @@ class Context(_Owner):
 
     def embedding(self, seq_id: int, n: int) -> np.ndarray:
         """The first n floats of a sequence's pooled output from the last decode (a copy)."""
-        pointer = _awaiting_backends(llama_cpp.llama_get_embeddings_seq, self.handle, seq_id)
+        pointer = awaiting_backends(llama_cpp.llama_get_embeddings_seq, self.handle, seq_id)
         if not pointer:
             raise DecodeError(-1, f"no pooled output for sequence {seq_id}")
         return np.ctypeslib.as_array(pointer, shape=(n,)).copy()
 
     def token_embeddings(self, n_rows: int, n: int) -> np.ndarray:
         """Every output row of the last decode (no pooling: a vector per token), as (n_rows, n) (a copy)."""
-        pointer = _awaiting_backends(llama_cpp.llama_get_embeddings, self.handle)
+        pointer = awaiting_backends(llama_cpp.llama_get_embeddings, self.handle)
         if not pointer:
             raise DecodeError(-1, "no token embeddings from the last decode")
         return np.ctypeslib.as_array(pointer, shape=(n_rows, n)).copy()

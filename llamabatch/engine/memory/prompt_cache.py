@@ -1,6 +1,6 @@
 """Prompts' memory kept after their slot goes to other work: in host RAM, and on disk across restarts.
 
-A free slot keeps its last sequence's memory for a later prompt that starts alike (scheduler.Slot)
+A free slot keeps its last sequence's memory for a later prompt that starts alike (scheduling.slots)
 until a prompt that keeps less of it takes the slot. Before that memory is cut, its state
 (llama_state_seq_get_data: the sequence's cells in every layer) and the checkpoints that let a
 recurrent, hybrid or sliding-window model go back to earlier positions are kept here; a later
@@ -35,11 +35,11 @@ from pathlib import Path
 
 import llama_cpp
 
-from ..catalog import model_fingerprint
-from ..errors import ConfigError
-from .adapters import AdapterSet
-from .memory import Checkpoint
-from .prefix_index import PrefixIndex
+from ...catalog import model_fingerprint
+from ...errors import ConfigError
+from ..adapters import AdapterSet
+from .streams import Checkpoint
+from ..scheduling.prefix_index import PrefixIndex
 
 log = logging.getLogger("llamabatch.prompt_cache")
 

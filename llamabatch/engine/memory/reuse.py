@@ -3,15 +3,15 @@ from the prompt cache; what a slot is about to lose goes to the prompt cache fir
 
 from __future__ import annotations
 
-from .adapters import AdapterSet
-from .memory import Memory
+from ..adapters import AdapterSet
+from .streams import Memory
 from .prompt_cache import MIN_TOKENS, CachedPrompt, PromptCache
-from .results import RunStats
-from .scheduler import Scheduler
-from .sequence import Sequence
+from ..results import RunStats
+from ..scheduling.scheduler import Scheduler
+from ..sequence import Sequence
 
 
-class SlotCache:
+class PrefixReuse:
     def __init__(self, memory: Memory, scheduler: Scheduler, prompt_cache: PromptCache | None, stats: RunStats) -> None:
         self.memory, self.scheduler, self.prompt_cache, self.stats = memory, scheduler, prompt_cache, stats
 
@@ -32,12 +32,12 @@ class SlotCache:
     def keep_free_slots(self) -> None:
         """Every free slot's cached prompt into the prompt cache (before the slots lose them)."""
         if self.prompt_cache is not None:
-            for slot in self.scheduler.cached_slots():
+            for slot in self.scheduler.slots.cached_slots():
                 self._keep(slot.seq_id, slot.cached, slot.adapters)
 
     def drop_cached_prefixes(self) -> None:
         """Free the KV that finished sequences left in their slots for later prompts."""
-        for seq_id in self.scheduler.evict_cached():
+        for seq_id in self.scheduler.slots.evict_cached():
             self.memory.clear(seq_id)
 
     def _keep(self, seq_id: int, tokens: list[int], adapters: AdapterSet) -> None:

@@ -15,9 +15,15 @@ compared too: a prefix is only shared within one namespace.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from ..sequence import Sequence
 
 BLOCK = 8  # keys every BLOCK tokens; matches up to BLOCK - 1 tokens past a key are found by comparison
+# Shorter shared prefixes are decoded again: waiting for a leader and pausing its prefill at
+# the shared length, or giving up another slot's cache, costs more than a few tokens of prefill.
+MIN_SHARED_PREFIX = 8
 MAX_EXTENDED = 8  # holders a lookup compares, deepest keys first: a few suffice, and it bounds the cost
 
 H = TypeVar("H")
@@ -98,3 +104,8 @@ class PrefixIndex(Generic[H]):
         while n < limit and held[n] == tokens[n]:
             n += 1
         return n
+
+
+def worth_sharing(seq: Sequence) -> int:
+    """The shortest common prefix worth reusing for seq: MIN_SHARED_PREFIX, or all of a shorter prompt."""
+    return min(MIN_SHARED_PREFIX, len(seq.tokens))

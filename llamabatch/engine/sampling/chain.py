@@ -15,8 +15,9 @@ import ctypes
 import llama_cpp
 import numpy as np
 
-from .native import Vocab
-from .sampling import GreedySampler, RowSampler, SamplingParams
+from ..native.handles import Vocab
+from .samplers import GreedySampler, RowSampler
+from .params import SamplingParams
 from .truncation import Scratch
 
 DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp: a random seed

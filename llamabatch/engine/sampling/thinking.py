@@ -4,7 +4,7 @@ tokens. The thought is found by its tags in the generated text (or opened by the
 
 from __future__ import annotations
 
-from ..chat.reasoning import ThinkingBudget
+from ...chat.reasoning import ThinkingBudget
 
 
 class Thought:

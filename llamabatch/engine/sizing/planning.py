@@ -17,11 +17,12 @@ from pathlib import Path
 
 import llama_cpp
 
-from ..catalog import Catalog
-from ..errors import ConfigError
-from .config import CHECKPOINT_MEMORY, unknown_cache_type
-from .native import CACHE_TYPES, Batch, Context, Model, init_backend
-from .rpc import offloads
+from ...catalog import Catalog
+from ...errors import ConfigError
+from ..config import CHECKPOINT_MEMORY, unknown_cache_type
+from ..native.handles import CACHE_TYPES, Batch, Context, Model
+from ..native.backend import init_backend
+from ..rpc import offloads
 
 CELL_PAD = 256
 PROBE_CELLS = 1024  # llama.cpp logs buffer sizes in MiB to 2 places: enough cells to read them to 1%

@@ -1,6 +1,6 @@
 """The engine's side of speculative decoding: which sequences draft how many tokens this step,
 and how many of a sequence's drafts the step's logits keep. The policy (how long a draft, when
-drafting pays) is speculation.DraftPlanner's; the drafts themselves come from a Drafter."""
+drafting pays) is planner.DraftPlanner's; the drafts themselves come from a Drafter."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import EngineConfig
+from ..config import EngineConfig
 from .drafters import DraftModel, Drafter, NgramDrafter
-from .native import Vocab
-from .sequence import Sequence
-from .speculation import DraftPlanner, DraftSampler
-from .truncation import Scratch
+from ..native.handles import Vocab
+from ..sequence import Sequence
+from .planner import DraftPlanner
+from .rejection import DraftSampler
+from ..sampling.truncation import Scratch
 
 # CPU matrix kernels take a batch's rows four at a time, and the rest by a slower path: with
 # Gemma 3 270M Q4_K_M on this project's CPU, one decode of 7 rows took 61 ms and of 8 rows 43 ms

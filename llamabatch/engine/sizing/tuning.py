@@ -21,11 +21,11 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from ..catalog import model_fingerprint
-from ..errors import LlamabatchError
-from .config import EngineConfig
+from ...catalog import model_fingerprint
+from ...errors import LlamabatchError
+from ..config import EngineConfig
 from .planning import pad
-from .sampling import SamplingParams
+from ..sampling.params import SamplingParams
 
 # A larger batch must raise decode throughput by this much to be worth measuring the next one:
 # on a CPU the curve flattens once the cores are busy, and each larger size costs more to measure.

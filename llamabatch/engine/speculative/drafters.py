@@ -10,7 +10,7 @@ admissions, preemptions or verifications, and a slot's cached prompt serves its 
 the draft context too. A draft model whose memory cannot be cut (recurrent, hybrid) is
 checkpointed before its drafts, and goes back there to drop the rejected ones. Greedy proposals
 are deterministic, so rejection sampling that treats each draft as certain
-(speculation.DraftSampler) keeps a sampled sequence's distribution exact.
+(rejection.DraftSampler) keeps a sampled sequence's distribution exact.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Protocol
 
 import llama_cpp
 
-from ..errors import DecodeError, ModelError
-from .memory import Memory
-from .native import KV_FULL, Batch, Context, Model, Vocab
-from .sequence import Sequence, common_prefix
+from ...errors import DecodeError, ModelError
+from ..memory.streams import Memory
+from ..native.handles import KV_FULL, Batch, Context, Model, Vocab
+from ..sequence import Sequence, common_prefix
 
 # llama.cpp's own speculative tools accept a draft vocabulary this much larger or smaller than the
 # target's (models pad their vocabularies differently); the ids both have must mean the same.

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .constraints import Grammars
-from .sampling import token_logprob
-from .sequence import Sequence
+from .samplers import token_logprob
+from ..sequence import Sequence
 from .truncation import Scratch
 
 # What pick() gives a sequence: its token; None when nothing is drawn for it here (it verifies
