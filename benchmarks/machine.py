@@ -10,14 +10,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from llamabatch.engine.sizing.tuning import cpu_model
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @functools.cache
 def machine() -> dict:
     import llama_cpp
+
+    from llamabatch.engine.sizing.tuning import cpu_model  # here: a --before checkout's llamabatch may lay out otherwise
 
     llama_cpp.llama_backend_init()
     return {

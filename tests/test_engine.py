@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import replace
 
@@ -175,7 +176,8 @@ def test_same_seed_and_batch_give_the_same_output(make_engine):
 def test_sampled_rows_drawn_on_several_threads_are_the_rows_drawn_on_one(make_engine):
     """The picker shares a step's sampled rows out between threads (each row's draw is its own
     sampler's): the tokens are those one thread draws, and a sampler that raises fails its own
-    sequence only, on whichever thread it ran."""
+    sequence only, on whichever thread it ran: at once (its prompt's step), or after three draws
+    (in a plain step, whose tokens are accepted apart)."""
     from llamabatch.engine.sampling.picker import Picker
 
     kinds = [SamplingParams(temperature=0.9, top_p=0.9, top_k=0), SamplingParams(temperature=1.2, repeat_penalty=1.3),
@@ -187,14 +189,17 @@ def test_sampled_rows_drawn_on_several_threads_are_the_rows_drawn_on_one(make_en
         engine.picker.close()
         engine.picker = engine.stepper.picker = Picker(engine.grammars, engine.runtime.scratch, n_threads)
         sequences = engine.submit([f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(12)], params)
-        broken = sequences[5].sampler
-        broken.sample = lambda *args: 1 / 0  # noqa: ARG005 - its draw fails, at once
+        sequences[5].sampler.sample = lambda *args: 1 / 0  # noqa: ARG005 - its draw fails, at once
+        later, draws = sequences[7].sampler, itertools.count()
+        later.sample = lambda *args, draw=later.sample: draw(*args) if next(draws) < 3 else 1 / 0
         while engine.has_work:
             engine.step()
         assert engine.scheduler.n_sampled == 0  # counted in as each was admitted, out as each ended
-        runs.append([(s.tokens[s.n_prompt:], s.finish_reason) for s in sequences])
+        runs.append([(s.tokens[s.n_prompt:], s.finish_reason, s.error) for s in sequences])
     assert runs[0] == runs[1]
-    assert runs[0][5] == ([], "error") and all(reason == "length" for _, reason in runs[0][:5] + runs[0][6:])
+    assert runs[0][5][:2] == ([], "error") and len(runs[0][7][0]) == 3 and runs[0][7][1] == "error"
+    assert "sampling failed: ZeroDivisionError" in runs[0][7][2]
+    assert all(reason == "length" for i, (_, reason, _) in enumerate(runs[0]) if i not in (5, 7))
 
 
 def test_a_plain_greedy_step_picks_the_argmax_as_a_step_with_special_rows_does(make_engine):

@@ -162,7 +162,7 @@ class BatchEngine:
         the engine is broken."""
         events = self.stepper.step()
         now = time.perf_counter()
-        if self.scheduler.version != self.snapshot.version or now - self._published_at >= PUBLISH_EVERY_S or not self.has_work:
+        if self.scheduler.version != self.snapshot.version or now - self._published_at >= PUBLISH_EVERY_S or not self.scheduler.running:
             self.publish(now)
         return events
 

@@ -49,6 +49,37 @@ class Postprocessor:
         # event(seq, token, text), inline: this line runs for every token of every sequence
         return Event(seq.index, token, text, None, None, seq.sample, seq.uid, seq.logprobs[-1] if seq.logprobs else None)
 
+    def accept_plain(self, rows: list[Sequence], picks: list, events: list[Event]) -> None:
+        """accept() for each row of a plain step none of whose sequences is special (no
+        constraint, thought or log-probabilities), its common path inline: this loop runs for
+        every token of most steps. Each row has sampled before (its first token came with its
+        prompt's step). A pick that is an exception (its sampler failed) fails its row alone."""
+        known, add, failed = self._known, events.append, 0
+        for seq, token in zip(rows, picks):
+            try:
+                if type(token) is not int:
+                    failed += 1
+                    raise token
+                seq.tokens.append(token)
+                entry = known.get(token)
+                if entry is None:
+                    entry = known[token] = (self.vocab.is_eog(token), self.vocab.piece(token))
+                if entry[0] and not seq.params.ignore_eos:
+                    add(self.finish(seq, token, "", "stop"))
+                    continue
+                stream = seq.stream
+                text = stream.push(entry[1])
+                if stream.stopped:
+                    add(self.finish(seq, token, text, "stop"))
+                elif len(seq.tokens) >= seq.max_len:
+                    add(self.finish(seq, token, text, "length"))
+                else:
+                    add(Event(seq.index, token, text, None, None, seq.sample, seq.uid, None))
+            except Exception as e:  # noqa: BLE001 - its failure, not its neighbours'
+                if seq.status is not Status.FINISHED:
+                    add(self.fail(seq, f"sampling failed: {type(e).__name__}: {e}"))
+        self.stats.completion_tokens += len(picks) - failed
+
     def finish(self, seq: Sequence, token: int | None, text: str, reason: str, error: str | None = None) -> Event:
         """The sequence is done; its KV stays in its slot as a prefix cache for later prompts
         (when prefixes are shared; else it is freed, so a deterministic filler finds room there)."""

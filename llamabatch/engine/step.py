@@ -22,9 +22,6 @@ class Step:
     special: bool = True  # some running sequence is sampled otherwise than by its sampler alone
     checkpoints: frozenset[int] = frozenset()  # uids of the rows whose chunk ends at a checkpoint
 
-    def __bool__(self) -> bool:
-        return bool(self.rows)
-
     def of(self, rows: list[Sequence]) -> Step:
         """The same step for some of its rows (a decode tried again without the one that failed);
         never plain: a row whose memory was put back may have prompt to decode again."""

@@ -71,16 +71,17 @@ class Stepper:
     def _step(self, events: list[Event], carried: list[Sequence]) -> str | None:
         """One step; returns why it decoded nothing, when every row it carried failed to decode."""
         started = time.perf_counter()
-        for victim in self.scheduler.victims():
-            self._make_way(victim)
-        for seq in self.scheduler.admit():
-            self.reuse.resume(seq)
+        if self.scheduler.waiting:  # (most steps: nothing waits)
+            for victim in self.scheduler.victims():
+                self._make_way(victim)
+            for seq in self.scheduler.admit():
+                self.reuse.resume(seq)
         drafted = self._propose_drafts() if self.speculator is not None else None  # None: nothing planned
         step = self.scheduler.schedule(reserved=sum(len(s.draft) for s in drafted) if drafted else 0)
         carried += step.rows
         for seq in drafted or ():
             self.memory.prepare_to_reject(seq.seq_id, len(seq.draft))
-        if not step:
+        if not step.rows:
             return None
         if self.adapters.apply(self.ctx, step.rows[0].adapters):  # the scheduler gives a step one set
             self.stats.adapter_switches += 1
@@ -209,7 +210,8 @@ class Stepper:
             if e.code not in (KV_FULL, INVALID_BATCH):  # refused whole, it stored nothing
                 self._take_out(fillers)
             raise
-        self._take_out(fillers)
+        if fillers:
+            self._take_out(fillers)
         return layout
 
     def _take_out(self, fillers: list[Filler]) -> None:
@@ -259,8 +261,11 @@ class Stepper:
         verified; a sequence that asked for no tokens (max_tokens 0: its prompt was only scored)
         ends here. Each event joins `events` as it happens; a failure is its sequence's alone.
         Returns the picks."""
-        accept, add = self.post.accept, events.append  # bound once: the loop runs for every sequence
         picks = self.picker.pick(due, rows, logits, step.draws, step.special)
+        if step.plain and not step.special:  # every row plain: one token each, no drafts, nothing special
+            self.post.accept_plain(due, picks, events)
+            return picks
+        accept, add = self.post.accept, events.append  # bound once: the loop runs for every sequence
         for seq, pick, row in zip(due, picks, rows):
             try:
                 if type(pick) is int:
