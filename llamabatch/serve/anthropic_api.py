@@ -15,13 +15,14 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Literal, Union
 
 from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
-from pydantic import BaseModel, Field, StrictBool, StrictStr, ValidationError
+from pydantic import BaseModel, Field, StrictBool, StrictStr
 
 from ..engine import BatchEngine
 from ..errors import LlamabatchError
-from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, refusal_status, usage, validation_message
-from .openai_api import Reply
-from .requests import Serving
+from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, usage
+from .dialects import Blocks, answer, sse
+from .reply import Reply, Translated
+from .requests import Serving, refusals
 from .worker import EngineWorker
 
 # Anthropic's error types by HTTP status (its error body: {"type": "error", "error": {...}})
@@ -232,106 +233,94 @@ def message_usage(sequences) -> dict:
 def anthropic_routes(serving: Serving, authorized, errors, reasoning_budget: int) -> APIRouter:
     router = APIRouter(dependencies=[Depends(authorized)])
 
-    def translated(body: CountTokensRequest, engine: BatchEngine):
-        try:
-            chat = body.chat_request() if isinstance(body, MessagesRequest) else body.chat()
-            return chat, engine_inputs(chat, engine, reasoning_budget)
-        except LlamabatchError as e:
-            raise HTTPException(refusal_status(e), str(e)) from None
-        except ValidationError as e:  # the chat request it means is not one (no messages left, say)
-            raise HTTPException(400, f"the chat request this one means is invalid: {validation_message(e)}") from None
-
     @router.post("/v1/messages", responses=errors(400, 401, 404, 429, 500, 503, 504, body=ErrorBody))
     async def messages(body: MessagesRequest, http: HttpRequest):
-        async with serving.using(body.model) as served:
-            chat, inputs = await asyncio.to_thread(translated, body, serving.engine(served))
-            submission = await serving.submit(served, inputs.prompts, inputs.params, chat.priority)
-            reply = serving.reply(served, submission, "chat.completion", model=chat.model, answer=inputs.answer)
-            if body.stream:
-                return serving.stream(served, _events(reply, served.worker, body.model))
-            await reply.drain(served.worker, http)
-            seq = submission.sequences[0]
-            message = reply.answer.message(seq.text)
-            reason, hit = stop_reason(seq.finish_reason, bool(message.get("tool_calls")), seq.stream.stop_hit)
-            return {"id": _message_id(), "type": "message", "role": "assistant", "model": body.model,
-                    "content": content_blocks(message), "stop_reason": reason, "stop_sequence": hit,
-                    "usage": message_usage(submission.sequences)}
+        def translate(engine: BatchEngine) -> Translated:
+            chat = body.chat_request()
+            return Translated(chat, engine_inputs(chat, engine, reasoning_budget))
+
+        return await answer(serving, body.model, body.stream, http, translate, _message, _events)
 
     @router.post("/v1/messages/count_tokens", responses=errors(400, 401, 404, 503, body=ErrorBody))
     async def count_tokens(body: CountTokensRequest) -> dict:
         async with serving.using(body.model) as served:
-            _, inputs = await asyncio.to_thread(translated, body, serving.engine(served))
-            return {"input_tokens": len(inputs.prompts[0])}
+            engine = serving.engine(served)
+
+            def count() -> int:
+                with refusals():
+                    return len(engine_inputs(body.chat(), engine, reasoning_budget).prompts[0])
+
+            return {"input_tokens": await asyncio.to_thread(count)}
 
     return router
 
 
-async def _events(reply: Reply, worker: EngineWorker, model: str) -> AsyncIterator[str]:
+def _message(reply: Reply) -> dict:
+    """The whole answer: a message of content blocks."""
+    seq = reply.submission.sequences[0]
+    message = reply.answer.message(seq.text)
+    reason, hit = stop_reason(seq.finish_reason, bool(message.get("tool_calls")), seq.stream.stop_hit)
+    return {"id": _message_id(), "type": "message", "role": "assistant", "model": reply.model,
+            "content": content_blocks(message), "stop_reason": reason, "stop_sequence": hit,
+            "usage": message_usage(reply.submission.sequences)}
+
+
+async def _events(reply: Reply, worker: EngineWorker) -> AsyncIterator[str]:
     """Anthropic's stream: message_start; each content block's start, deltas and stop (thinking,
     text, tool_use, in the order they come); message_delta with the stop reason and usage;
     message_stop. A failure after the start is an error event, as Anthropic sends one."""
     seq = reply.submission.sequences[0]
-    start = {"id": _message_id(), "type": "message", "role": "assistant", "model": model, "content": [],
+    start = {"id": _message_id(), "type": "message", "role": "assistant", "model": reply.model, "content": [],
              "stop_reason": None, "stop_sequence": None, "usage": {**message_usage([seq]), "output_tokens": 0}}
-    yield _sse("message_start", {"type": "message_start", "message": start})
+    yield sse({"type": "message_start", "message": start}, "message_start")
     blocks, called = _Blocks(), False
     try:
         async for delta in reply.answer_deltas(worker):
             called = called or "tool_calls" in delta
-            for chunk in blocks.delta(delta):
+            for chunk in blocks.feed(delta):
                 yield chunk
     except HTTPException as e:
-        yield _sse("error", error_body(e.status_code, str(e.detail)))
+        yield sse(error_body(e.status_code, str(e.detail)), "error")
         return
     for chunk in blocks.close():
         yield chunk
     reason, hit = stop_reason(seq.finish_reason, called, seq.stream.stop_hit)
-    yield _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": hit},
-                                 "usage": {"output_tokens": seq.n_generated}})
-    yield _sse("message_stop", {"type": "message_stop"})
+    yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": hit},
+               "usage": {"output_tokens": seq.n_generated}}, "message_delta")
+    yield sse({"type": "message_stop"}, "message_stop")
 
 
-class _Blocks:
-    """The open content block of a stream: a delta of another kind closes it and opens its own."""
+class _Blocks(Blocks):
+    """Anthropic's content blocks (thinking, text, tool_use), numbered as they open."""
+
+    STARTS = {"reasoning": {"type": "thinking", "thinking": "", "signature": ""}, "text": {"type": "text", "text": ""}}
 
     def __init__(self) -> None:
+        super().__init__()
         self.index = -1
-        self.kind: str | None = None
 
-    def delta(self, delta: dict) -> list[str]:
-        out = []
-        if delta.get("reasoning_content"):
-            out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            out.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
-        if delta.get("content"):
-            out += self._open("text", {"type": "text", "text": ""})
-            out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-        for call in delta.get("tool_calls") or ():
-            out += self.close()  # each call is a block of its own
-            out += self._open("tool_use", {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}})
-            out.append(self._delta({"type": "input_json_delta", "partial_json": call["function"]["arguments"]}))
-        return out
+    def opened(self, kind: str) -> list[str]:
+        return [self._start(self.STARTS[kind])]
 
-    def close(self) -> list[str]:
-        if self.kind is None:
-            return []
-        self.kind = None
-        return [_sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+    def added(self, kind: str, text: str) -> list[str]:
+        delta = {"type": "thinking_delta", "thinking": text} if kind == "reasoning" else {"type": "text_delta", "text": text}
+        return [self._delta(delta)]
 
-    def _open(self, kind: str, block: dict) -> list[str]:
-        if self.kind == kind:
-            return []
-        out = self.close()
-        self.index, self.kind = self.index + 1, kind
-        return out + [_sse("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})]
+    def closed(self, kind: str) -> list[str]:
+        return [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
+
+    def called(self, call: dict) -> list[str]:
+        self.kind = "tool_call"  # its block stays open until the next delta or the end
+        start = self._start({"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}})
+        return [start, self._delta({"type": "input_json_delta", "partial_json": call["function"]["arguments"]})]
+
+    def _start(self, block: dict) -> str:
+        self.index += 1
+        return sse({"type": "content_block_start", "index": self.index, "content_block": block}, "content_block_start")
 
     def _delta(self, delta: dict) -> str:
-        return _sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+        return sse({"type": "content_block_delta", "index": self.index, "delta": delta}, "content_block_delta")
 
 
 def _message_id() -> str:
     return f"msg_{secrets.token_hex(12)}"
-
-
-def _sse(event: str, data: dict) -> str:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"

@@ -25,16 +25,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..catalog import Catalog
 from ..engine import BatchEngine
-from ..embeddings_format import EmbeddingRequest, RerankRequest, embedding_tokens, embeddings_body, rerank_body, rerank_tokens
 from ..engine.embedding import Pooling
-from ..errors import LlamabatchError
-from ..openai_format import ChatRequest, CompletionRequest, check_base_model, engine_inputs, error_body, refusal_status, request_params, validation_message
+from ..openai_format import error_body, validation_message
 from .anthropic_api import anthropic_routes, error_body as anthropic_error_body
 from .batch_api import batch_routes, resume_batches
 from .metrics import Metrics
 from .models import ModelPool, Served
-from .openai_api import BatchRequest
-from .requests import Serving, http_error as request_error
+from .openai_api import openai_routes
+from .requests import Serving, refusals
 from .responses_api import responses_routes
 from .store import Store
 from .tokenizer_api import tokenizer_routes
@@ -146,10 +144,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.post("/models/unload", dependencies=[Depends(authorized)], responses=_errors(400, 401, 404, 409))
     async def unload_model(body: ModelAction) -> dict:
-        try:
+        with refusals():
             await models.unload(models.resolve(body.model))
-        except LlamabatchError as e:
-            raise request_error(e) from None
         return {"success": True}
 
     @app.get("/lora-adapters", dependencies=[Depends(authorized)], responses=_errors(401, 503))
@@ -160,57 +156,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             default = dict(facts.default_adapters)
             return [{"id": a.id, "name": a.name, "path": str(a.path), "scale": default.get(a.id, 0.0)} for a in facts.adapters]
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)], responses=_GENERATION)
-    async def completions(body: CompletionRequest, http: HttpRequest):
-        return await answer(body, "text_completion", http)
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)], responses=_GENERATION)
-    async def chat_completions(body: ChatRequest, http: HttpRequest):
-        return await answer(body, "chat.completion", http)
-
-    async def answer(body: CompletionRequest | ChatRequest, kind: str, http: HttpRequest):
-        async with serving.using(body.model) as served:
-            engine, worker = serving.engine(served), served.worker
-            try:  # a chat template rendered, and tokenized, on a thread of its own: the event loop serves the streams
-                inputs = await asyncio.to_thread(engine_inputs, body, engine, settings.reasoning_budget)
-            except LlamabatchError as e:
-                raise HTTPException(refusal_status(e), str(e)) from None
-            submission = await serving.submit(served, inputs.prompts, inputs.params, body.priority)
-            reply = serving.reply(served, submission, kind, body.shown(), body.model, inputs.answer)
-            if body.stream:
-                return serving.stream(served, reply.chat_chunks(worker) if kind == "chat.completion" else reply.completion_chunks(worker))
-            return await reply.whole(worker, http)
-
-    @app.post("/v1/batch/completions", dependencies=[Depends(authorized)], responses=_errors(400, 401, 404, 429, 500, 503, 504))
-    async def batch_completions(body: BatchRequest, http: HttpRequest) -> dict:
-        async with serving.using(body.model) as served:
-            try:
-                params = request_params(body, serving.engine(served))
-            except LlamabatchError as e:
-                raise HTTPException(refusal_status(e), str(e)) from None
-            submission = await serving.submit(served, body.prompts, params, body.priority)
-            reply = serving.reply(served, submission, "batch.completion", model=body.model)
-            return await reply.batch(served.worker, http)
-
-    @app.post("/v1/embeddings", dependencies=[Depends(authorized)], responses=_errors(400, 401, 404, 429, 500, 503, 504))
-    async def embeddings(body: EmbeddingRequest) -> dict:
-        async with serving.using(body.model) as served:
-            _check_base_model(body.model, serving.engine(served))
-            pooling = settings.pooling
-            rows, n_tokens = await serving.pool(served, lambda engine: embedding_tokens(engine, body, pooling), pooling)
-            try:
-                return embeddings_body(rows, body, served.name, n_tokens)
-            except LlamabatchError as e:  # dimensions beyond the model's width
-                raise HTTPException(400, str(e)) from None
-
-    @app.post("/v1/rerank", dependencies=[Depends(authorized)], responses=_errors(400, 401, 404, 429, 500, 503, 504))
-    @app.post("/rerank", dependencies=[Depends(authorized)], include_in_schema=False)
-    async def rerank(body: RerankRequest) -> dict:
-        async with serving.using(body.model) as served:
-            _check_base_model(body.model, serving.engine(served))
-            rows, n_tokens = await serving.pool(served, lambda engine: rerank_tokens(engine, body), Pooling.RANK)
-            return rerank_body([row[0] for row in rows], body, served.name, n_tokens)
-
+    app.include_router(openai_routes(serving, authorized, _errors, _GENERATION, settings.reasoning_budget, settings.pooling))
     app.include_router(tokenizer_routes(serving, authorized, _errors))
     app.include_router(anthropic_routes(serving, authorized, _errors, settings.reasoning_budget))
     app.include_router(responses_routes(serving, authorized, _errors, settings.reasoning_budget, store))
@@ -310,14 +256,6 @@ def _authorization(api_key: str | None):
             raise HTTPException(401, "missing or wrong API key (Authorization: Bearer KEY, or x-api-key: KEY)")
 
     return check
-
-
-def _check_base_model(model: str | None, engine: BatchEngine) -> None:
-    """404 for a model not served here, 400 for an adapter's name where adapters do not apply."""
-    try:
-        check_base_model(model, engine)
-    except LlamabatchError as e:
-        raise HTTPException(refusal_status(e), str(e)) from None
 
 
 def _error(status: int, message: str, kind: str | None = None, headers: dict | None = None, anthropic: bool = False) -> JSONResponse:

@@ -17,9 +17,9 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 
 from ..errors import LlamabatchError
 from .batch_runs import BATCH_ENDPOINTS, batch_error, validated_run
-from .store import NotFound, Store, batch_object, page
+from .store import Store, batch_object, page
 from .models import ModelPool, Served
-from .requests import Serving
+from .requests import Serving, refusals
 from .worker import EngineWorker
 
 MAX_FIELD_BYTES = 1024  # form fields beside the file (purpose) are short
@@ -258,12 +258,8 @@ def _first_model(path: Path) -> str | None:
 
 def _found(call: Callable):
     """The call's answer; 404 for an unknown id, 400 for a refusal."""
-    try:
+    with refusals():
         return call()
-    except NotFound as e:
-        raise HTTPException(404, str(e)) from None
-    except LlamabatchError as e:
-        raise HTTPException(400, str(e)) from None
 
 
 class _Form:

@@ -1,21 +1,27 @@
-"""One request's events turned into OpenAI responses, whole or as Server-Sent Event chunks
-(the shapes themselves live in openai_format, shared with batch jobs)."""
+"""OpenAI's routes: /v1/completions and /v1/chat/completions (whole, or streamed as chunks),
+llamabatch's /v1/batch/completions, /v1/embeddings and /v1/rerank. The shapes themselves live
+in openai_format and embeddings_format, shared with batch jobs."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import HTTPException, Request as HttpRequest
+from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
 from pydantic import Field
 
 from ..chat.conversation import Answer
-from ..engine import BatchEngine, Event
-from ..openai_format import NonEmptyStr, SamplingFields, Shown, chat_logprobs, choice_index, completion_logprobs, error_body, failure, new_id, prompt_logprobs, response_body, usage
-from .metrics import Metrics
-from .worker import EngineWorker, Submission
+from ..embeddings_format import EmbeddingRequest, RerankRequest, embedding_tokens, embeddings_body, rerank_body, rerank_tokens
+from ..engine import BatchEngine
+from ..engine.embedding import Pooling
+from ..openai_format import (
+    ChatRequest, CompletionRequest, EngineInputs, NonEmptyStr, SamplingFields, chat_logprobs, check_base_model, choice_index,
+    completion_logprobs, engine_inputs, error_body, prompt_logprobs, request_params, response_body, usage,
+)
+from .dialects import answer, sse
+from .reply import Reply, Translated
+from .requests import Serving, refusals
+from .worker import EngineWorker
 
 
 class BatchRequest(SamplingFields):
@@ -24,163 +30,139 @@ class BatchRequest(SamplingFields):
     prompts: list[NonEmptyStr] = Field(min_length=1)
 
 
-class Reply:
-    """Turns one request's events into OpenAI responses: whole, or as a stream of chunks."""
+def openai_routes(serving: Serving, authorized, errors, generation: dict, reasoning_budget: int, pooling: Pooling | None) -> APIRouter:
+    """`generation`: the OpenAPI answers of a route that answers JSON or a stream."""
+    router = APIRouter(dependencies=[Depends(authorized)])
 
-    def __init__(
-        self, submission: Submission, engine: BatchEngine, kind: str, timeout: float, metrics: Metrics, shown: Shown = Shown(),
-        model: str | None = None, answer: Answer | None = None,
-    ) -> None:
-        # the model the request named (an adapter's name answers as that adapter, as vLLM does)
-        self.submission, self.model, self.kind, self.timeout, self.metrics = submission, model or engine.model_name, kind, timeout, metrics
-        self.shown, self.answer = shown, answer or Answer()
-        self.vocab = engine.vocab  # pieces are cached and read-only: safe beside the engine thread
-        self.id = new_id(kind)
-        self.created = int(time.time())
-        self.n_open = submission.n_open  # counted by the engine thread: those that finish by now still send their events
-        self._by_uid = {seq.uid: seq for seq in submission.sequences}
+    @router.post("/v1/completions", responses=generation)
+    async def completions(body: CompletionRequest, http: HttpRequest):
+        return await _answer(serving, body, "text_completion", http, reasoning_budget, _completion_chunks)
 
-    async def events(self, worker: EngineWorker, http: HttpRequest | None = None) -> AsyncIterator[Event]:
-        """This request's events until every sequence has finished; cancels them if the client
-        leaves, the request times out, or the consumer stops early."""
-        deadline = self.submission.t_start + self.timeout
-        next_check = time.perf_counter() + 0.5
-        try:
-            while self.n_open:
-                now = time.perf_counter()
-                if now > deadline:
-                    raise HTTPException(504, f"the request took longer than {self.timeout:g} s")
-                if http is not None and now >= next_check:  # a waiting client that hung up
-                    if await http.is_disconnected():
-                        return
-                    next_check = now + 0.5
-                try:
-                    async with asyncio.timeout(0.5):  # (no task per wait, as wait_for makes)
-                        events = await self.submission.events.get()
-                except TimeoutError:
-                    continue
-                for event in events:  # one step's
-                    self.n_open -= event.finish_reason is not None
-                    yield event
-        finally:
-            if self.n_open:
-                worker.cancel(self.submission)
-                self.metrics.failed.inc()
-            else:
-                self.metrics.finished.inc()
+    @router.post("/v1/chat/completions", responses=generation)
+    async def chat_completions(body: ChatRequest, http: HttpRequest):
+        return await _answer(serving, body, "chat.completion", http, reasoning_budget, _chat_chunks)
 
-    async def answer_deltas(self, worker: EngineWorker) -> AsyncIterator[dict]:
-        """A one-sequence chat request's answer as it comes, as Answer.stream's deltas
-        (reasoning_content, content, tool_calls); an HTTPException once it has failed."""
-        stream = self.answer.stream()
-        async for event in self.events(worker):
-            if event.finish_reason is not None:
-                self.raise_if_failed()
-            if event.text or event.finish_reason:
-                for delta in stream.feed(event.text, final=event.finish_reason is not None):
-                    yield delta
+    @router.post("/v1/batch/completions", responses=errors(400, 401, 404, 429, 500, 503, 504))
+    async def batch_completions(body: BatchRequest, http: HttpRequest) -> dict:
+        def translate(engine: BatchEngine) -> Translated:
+            return Translated(body, EngineInputs(list(body.prompts), request_params(body, engine)), "batch.completion")
 
-    def _object(self, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "choices": choices, **extra}
+        return await answer(serving, body.model, False, http, translate, _batch_body, None)
 
-    async def drain(self, worker: EngineWorker, http: HttpRequest) -> None:
-        """Wait for every sequence to finish; an HTTPException when the request failed."""
-        async for _ in self.events(worker, http):
-            pass
-        if self.n_open:
-            raise HTTPException(499, "the client disconnected")
-        self.raise_if_failed()
+    @router.post("/v1/embeddings", responses=errors(400, 401, 404, 429, 500, 503, 504))
+    async def embeddings(body: EmbeddingRequest) -> dict:
+        async with serving.using(body.model) as served:
+            with refusals():
+                check_base_model(body.model, serving.engine(served))
+            rows, n_tokens = await serving.pool(served, lambda engine: embedding_tokens(engine, body, pooling), pooling)
+            with refusals():  # dimensions beyond the model's width
+                return embeddings_body(rows, body, served.name, n_tokens)
 
-    def raise_if_failed(self) -> None:
-        verdict = failure(self.submission.sequences)
-        if verdict is not None:
-            raise HTTPException(verdict.status, verdict.message)
+    @router.post("/v1/rerank", responses=errors(400, 401, 404, 429, 500, 503, 504))
+    @router.post("/rerank", include_in_schema=False)
+    async def rerank(body: RerankRequest) -> dict:
+        async with serving.using(body.model) as served:
+            with refusals():
+                check_base_model(body.model, serving.engine(served))
+            rows, n_tokens = await serving.pool(served, lambda engine: rerank_tokens(engine, body), Pooling.RANK)
+            return rerank_body([row[0] for row in rows], body, served.name, n_tokens)
 
-    async def whole(self, worker: EngineWorker, http: HttpRequest) -> dict:
-        """The completion or chat.completion object, once every sequence has finished."""
-        await self.drain(worker, http)
-        return response_body(self.kind, self.id, self.created, self.model, self.submission.sequences, self.vocab, self.shown, self.answer)
+    return router
 
-    async def batch(self, worker: EngineWorker, http: HttpRequest) -> dict:
-        await self.drain(worker, http)
-        results = []
-        for seq in self.submission.sequences:
-            result = seq.result()
-            results.append({
-                "index": result.index, "sample": result.sample, "text": result.text, "finish_reason": result.finish_reason,
-                "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens},
-                "timings": result.timings and {"queue_s": result.timings.queue_s, "ttft_s": result.timings.ttft_s,
-                                               "decode_s": result.timings.decode_s},
-            })
-        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model, "results": results,
-                "usage": usage(self.submission.sequences), "timings": {"wall_s": time.perf_counter() - self.submission.t_start}}
 
-    async def completion_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
-        async for chunk in _errors_as_events(self._completion_chunks(worker)):
-            yield chunk
+async def _answer(serving: Serving, body: CompletionRequest | ChatRequest, kind: str, http: HttpRequest, reasoning_budget: int, chunks):
+    def translate(engine: BatchEngine) -> Translated:
+        return Translated(body, engine_inputs(body, engine, reasoning_budget), kind, body.shown())
 
-    async def chat_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
-        async for chunk in _errors_as_events(self._chat_chunks(worker)):
-            yield chunk
+    def whole(reply: Reply) -> dict:
+        return response_body(reply.kind, reply.id, reply.created, reply.model, reply.submission.sequences, reply.vocab, reply.shown, reply.answer)
 
-    async def _completion_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
-        started: set[int] = set()
-        async for event in self.events(worker):
-            if event.finish_reason is not None:
-                self.raise_if_failed()  # an error event, then [DONE]; the others are cancelled
-            seq = self._by_uid[event.uid]
-            if seq.uid not in started:  # a choice's first chunk: the prompt, if the request asked for it
-                started.add(seq.uid)
-                for chunk in self._prompt_chunk(seq):
-                    yield chunk
-            if event.text or event.finish_reason:
-                logprobs = completion_logprobs(seq, [event.logprob] if event.logprob else [], self.vocab)
-                choice = {"index": choice_index(seq), "text": event.text, "logprobs": logprobs,
-                          "finish_reason": event.finish_reason}
-                yield self._chunk([choice])
-        for chunk in self._usage_chunk():
-            yield chunk
-        yield "data: [DONE]\n\n"
+    return await answer(serving, body.model, body.stream, http, translate, whole, lambda reply, worker: _errors_as_events(chunks(reply, worker)))
 
-    def _prompt_chunk(self, seq) -> list[str]:
-        """Echo: the prompt's text (with its log-probabilities when asked) ahead of the completion."""
-        if not self.shown.echo and self.shown.prompt_logprobs is None:
-            return []
-        choice = {"index": choice_index(seq), "text": seq.prompt if self.shown.echo else "", "finish_reason": None,
-                  "logprobs": completion_logprobs(seq, [], self.vocab, echo=True) if self.shown.echo else None}
-        if self.shown.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs(seq, self.vocab, self.shown.prompt_logprobs)
-        return [self._chunk([choice])]
 
-    async def _chat_chunks(self, worker: EngineWorker) -> AsyncIterator[str]:
-        streams = {seq.uid: self.answer.stream() for seq in self.submission.sequences}  # each choice's reasoning and calls
-        for seq in self.submission.sequences:
-            first = {"index": seq.sample, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-            yield self._chunk([first], object="chat.completion.chunk")
-        async for event in self.events(worker):
-            if event.finish_reason is not None:
-                self.raise_if_failed()
-            deltas = streams[event.uid].feed(event.text, final=event.finish_reason is not None) if event.text or event.finish_reason else []
-            logprobs = chat_logprobs([event.logprob] if event.logprob else [], self._by_uid[event.uid], self.vocab)
-            finish = Answer.finish_reason(event.finish_reason, streams[event.uid].called)
-            if event.finish_reason and not deltas:
-                deltas = [{}]
-            for i, delta in enumerate(deltas):  # logprobs ride on the first, the finish reason on the last
-                last = i == len(deltas) - 1
-                choice = {"index": event.sample, "delta": delta, "logprobs": logprobs if i == 0 else None,
-                          "finish_reason": finish if last else None}
-                yield self._chunk([choice], object="chat.completion.chunk")
-        for chunk in self._usage_chunk(object="chat.completion.chunk"):
-            yield chunk
-        yield "data: [DONE]\n\n"
+def _batch_body(reply: Reply) -> dict:
+    results = []
+    for seq in reply.submission.sequences:
+        result = seq.result()
+        results.append({
+            "index": result.index, "sample": result.sample, "text": result.text, "finish_reason": result.finish_reason,
+            "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens},
+            "timings": result.timings and {"queue_s": result.timings.queue_s, "ttft_s": result.timings.ttft_s,
+                                           "decode_s": result.timings.decode_s},
+        })
+    return {"id": reply.id, "object": reply.kind, "created": reply.created, "model": reply.model, "results": results,
+            "usage": usage(reply.submission.sequences), "timings": {"wall_s": time.perf_counter() - reply.submission.t_start}}
 
-    def _chunk(self, choices: list, **extra) -> str:
-        usage_field = {"usage": None} if self.shown.usage_chunk else {}  # OpenAI: null on every chunk but the last
-        return _sse(self._object(choices, **usage_field, **extra))
 
-    def _usage_chunk(self, **extra) -> list[str]:
-        """With stream_options.include_usage: a last chunk, no choices, the whole request's usage."""
-        return [_sse(self._object([], usage=usage(self.submission.sequences), **extra))] if self.shown.usage_chunk else []
+async def _completion_chunks(reply: Reply, worker: EngineWorker) -> AsyncIterator[str]:
+    by_uid = {seq.uid: seq for seq in reply.submission.sequences}
+    started: set[int] = set()
+    async for event in reply.events(worker):
+        if event.finish_reason is not None:
+            reply.raise_if_failed()  # an error event, then [DONE]; the others are cancelled
+        seq = by_uid[event.uid]
+        if seq.uid not in started:  # a choice's first chunk: the prompt, if the request asked for it
+            started.add(seq.uid)
+            for chunk in _prompt_chunk(reply, seq):
+                yield chunk
+        if event.text or event.finish_reason:
+            logprobs = completion_logprobs(seq, [event.logprob] if event.logprob else [], reply.vocab)
+            choice = {"index": choice_index(seq), "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
+            yield _chunk(reply, [choice])
+    for chunk in _usage_chunk(reply):
+        yield chunk
+    yield "data: [DONE]\n\n"
+
+
+def _prompt_chunk(reply: Reply, seq) -> list[str]:
+    """Echo: the prompt's text (with its log-probabilities when asked) ahead of the completion."""
+    shown = reply.shown
+    if not shown.echo and shown.prompt_logprobs is None:
+        return []
+    choice = {"index": choice_index(seq), "text": seq.prompt if shown.echo else "", "finish_reason": None,
+              "logprobs": completion_logprobs(seq, [], reply.vocab, echo=True) if shown.echo else None}
+    if shown.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs(seq, reply.vocab, shown.prompt_logprobs)
+    return [_chunk(reply, [choice])]
+
+
+async def _chat_chunks(reply: Reply, worker: EngineWorker) -> AsyncIterator[str]:
+    sequences = reply.submission.sequences
+    by_uid = {seq.uid: seq for seq in sequences}
+    streams = {seq.uid: reply.answer.stream() for seq in sequences}  # each choice's reasoning and calls
+    for seq in sequences:
+        first = {"index": seq.sample, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        yield _chunk(reply, [first], object="chat.completion.chunk")
+    async for event in reply.events(worker):
+        if event.finish_reason is not None:
+            reply.raise_if_failed()
+        deltas = streams[event.uid].feed(event.text, final=event.finish_reason is not None) if event.text or event.finish_reason else []
+        logprobs = chat_logprobs([event.logprob] if event.logprob else [], by_uid[event.uid], reply.vocab)
+        finish = Answer.finish_reason(event.finish_reason, streams[event.uid].called)
+        if event.finish_reason and not deltas:
+            deltas = [{}]
+        for i, delta in enumerate(deltas):  # logprobs ride on the first, the finish reason on the last
+            last = i == len(deltas) - 1
+            choice = {"index": event.sample, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                      "finish_reason": finish if last else None}
+            yield _chunk(reply, [choice], object="chat.completion.chunk")
+    for chunk in _usage_chunk(reply, object="chat.completion.chunk"):
+        yield chunk
+    yield "data: [DONE]\n\n"
+
+
+def _object(reply: Reply, choices: list, **extra) -> dict:
+    return {"id": reply.id, "object": reply.kind, "created": reply.created, "model": reply.model, "choices": choices, **extra}
+
+
+def _chunk(reply: Reply, choices: list, **extra) -> str:
+    usage_field = {"usage": None} if reply.shown.usage_chunk else {}  # OpenAI: null on every chunk but the last
+    return sse(_object(reply, choices, **usage_field, **extra))
+
+
+def _usage_chunk(reply: Reply, **extra) -> list[str]:
+    """With stream_options.include_usage: a last chunk, no choices, the whole request's usage."""
+    return [sse(_object(reply, [], usage=usage(reply.submission.sequences), **extra))] if reply.shown.usage_chunk else []
 
 
 async def _errors_as_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -190,9 +172,5 @@ async def _errors_as_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         async for chunk in chunks:
             yield chunk
     except HTTPException as e:
-        yield _sse(error_body(e.status_code, str(e.detail)))
+        yield sse(error_body(e.status_code, str(e.detail)))
         yield "data: [DONE]\n\n"
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

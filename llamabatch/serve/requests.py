@@ -1,29 +1,31 @@
 """What every route does with the model a request names: hold it (loading it first if need be),
 reach its engine, hand it prompts or texts, and let it go once the answer is sent.
 
-Refusals map to one status each, on every route: a model not served here 404, a model that is
-loading, failed to load or has stopped 503, a full queue 429, a request the engine cannot take
-400, one that outlives --request-timeout 504.
+Refusals map to one status each, on every route and in every dialect (as_http): a model (or a
+file, batch or response) not found 404, a model that is loading, failed to load or has stopped
+503, a model busy unloading 409, a full queue 429, a request the engine cannot take 400, a
+decode that failed 500, one that outlives --request-timeout 504.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 from fastapi import HTTPException
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
-from ..chat.conversation import Answer
 from ..engine import BatchEngine, SamplingParams
 from ..engine.embedding import Pooling
 from ..errors import DecodeError, EngineBroken, LlamabatchError
-from ..openai_format import Shown, failure, refusal_status
+from ..openai_format import failure, refusal_status, validation_message
 from .metrics import Metrics
 from .models import ModelBusy, ModelPool, ModelUnavailable, Served
-from .openai_api import Reply
+from .reply import Reply, Translated
+from .store import NotFound
 from .worker import EngineUnavailable, EngineWorker, PoolingSubmission, QueueFull, Submission
 
 
@@ -38,7 +40,7 @@ class Serving:
         try:
             served = await asyncio.wait_for(self.models.acquire(name), self.timeout)
         except LlamabatchError as e:
-            raise http_error(e) from None
+            raise as_http(e) from None
         except asyncio.TimeoutError:
             raise HTTPException(504, f"model {name} did not load within {self.timeout:g} s") from None
         try:
@@ -91,15 +93,9 @@ class Serving:
             prompts = await asyncio.to_thread(engine.prepare, prompts, params)
             worker.submit(submission, prompts, [params] * len(prompts))
             await asyncio.wait_for(submission.submitted, timeout=max(0.0, submission.t_start + self.timeout - time.perf_counter()))
-        except QueueFull as e:
+        except LlamabatchError as e:  # a full queue; TooLarge; a template the model cannot render; a constraint that does not compile
             failed.inc()
-            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
-        except EngineUnavailable as e:
-            failed.inc()
-            raise HTTPException(503, str(e)) from None
-        except LlamabatchError as e:  # TooLarge; a chat template the model cannot render; a constraint that does not compile
-            failed.inc()
-            raise HTTPException(400, str(e)) from None
+            raise as_http(e) from None
         except asyncio.TimeoutError:
             worker.cancel(submission)  # queued behind the take, should it still come
             failed.inc()
@@ -111,10 +107,9 @@ class Serving:
             raise HTTPException(verdict.status, verdict.message)
         return submission
 
-    def reply(self, served: Served, submission: Submission, kind: str, shown: Shown = Shown(), model: str | None = None,
-              answer: Answer | None = None) -> Reply:
+    def reply(self, served: Served, submission: Submission, translated: Translated) -> Reply:
         # The engine that took the submission (not self.engine(): a stop that began since must not refuse it now).
-        return Reply(submission, served.worker.engine, kind, self.timeout, self.metrics.of(served.name), shown, model, answer)
+        return Reply(submission, served.worker.engine, translated, self.timeout, self.metrics.of(served.name))
 
     async def pool(self, served: Served, tokens, pooling: Pooling | None):
         """Texts (or pairs) pooled by the worker beside the running batch: (rows, tokens). 400 for an
@@ -126,14 +121,8 @@ class Serving:
         try:
             worker.pool(submission)
             return await asyncio.wait_for(submission.done, self.timeout)
-        except QueueFull as e:
-            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
-        except EngineUnavailable as e:
-            raise HTTPException(503, str(e)) from None
-        except (DecodeError, EngineBroken) as e:
-            raise HTTPException(500, str(e)) from None
         except LlamabatchError as e:
-            raise HTTPException(refusal_status(e), str(e)) from None
+            raise as_http(e) from None
         except asyncio.TimeoutError:
             raise HTTPException(504, f"the embeddings took longer than {self.timeout:g} s") from None
 
@@ -154,10 +143,25 @@ class _HeldStream(StreamingResponse):
             self._release()
 
 
-def http_error(error: LlamabatchError) -> HTTPException:
-    """A model-level refusal as its HTTP status."""
-    if isinstance(error, ModelUnavailable):
-        return HTTPException(503, str(error))
-    if isinstance(error, ModelBusy):
-        return HTTPException(409, str(error))
-    return HTTPException(refusal_status(error), str(error))
+# Refusals whose status is not a request's fault (400) or an unknown model (404): by type.
+_STATUS = ((QueueFull, 429), (EngineUnavailable, 503), (ModelUnavailable, 503), (ModelBusy, 409), (NotFound, 404),
+           (DecodeError, 500), (EngineBroken, 500))
+
+
+def as_http(error: LlamabatchError | ValidationError) -> HTTPException:
+    """A refusal as the HTTP error every route and dialect answers it with (each dialect's app
+    handler writes the body in its own shape). A ValidationError is of the chat request another
+    dialect's request means (no messages left, say)."""
+    if isinstance(error, ValidationError):
+        return HTTPException(400, f"the chat request this one means is invalid: {validation_message(error)}")
+    status = next((status for kind, status in _STATUS if isinstance(error, kind)), None) or refusal_status(error)
+    return HTTPException(status, str(error), headers={"Retry-After": "1"} if status == 429 else None)
+
+
+@contextmanager
+def refusals() -> Iterator[None]:
+    """Within the block, a refusal is raised as its HTTP error (as_http)."""
+    try:
+        yield
+    except (LlamabatchError, ValidationError) as e:
+        raise as_http(e) from None

@@ -11,22 +11,22 @@ is false."""
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Literal, Union
 
 from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
-from pydantic import Field, StrictBool, StrictStr, ValidationError
+from pydantic import Field, StrictBool, StrictStr
 
 from ..chat.conversation import Answer
 from ..engine import BatchEngine
 from ..errors import LlamabatchError
-from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, refusal_status, usage, validation_message
-from .openai_api import Reply
-from .store import NotFound, Store
-from .requests import Serving
+from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, usage
+from .dialects import Blocks, answer, sse
+from .reply import Reply, Translated
+from .requests import Serving, refusals
+from .store import Store
 from .worker import EngineWorker
 
 
@@ -240,22 +240,6 @@ def response_object(body: ResponsesRequest, response_id: str, created: float, ou
 def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int, store: Store | None) -> APIRouter:
     router = APIRouter(dependencies=[Depends(authorized)])
 
-    def translated(body: ResponsesRequest, engine: BatchEngine):
-        try:
-            earlier = []
-            if body.previous_response_id is not None:
-                if store is None:
-                    raise LlamabatchError("previous_response_id: this server keeps no responses (it has no --data-dir)")
-                earlier = store.response(body.previous_response_id)[1]
-            chat = body.chat_request(earlier)
-            return chat, engine_inputs(chat, engine, reasoning_budget)
-        except NotFound as e:
-            raise HTTPException(404, str(e)) from None
-        except LlamabatchError as e:
-            raise HTTPException(refusal_status(e), str(e)) from None
-        except ValidationError as e:  # the chat request it means is not one (no messages left, say)
-            raise HTTPException(400, f"the chat request this one means is invalid: {validation_message(e)}") from None
-
     def kept(body: ResponsesRequest, chat: ChatRequest, obj: dict, message: dict) -> None:
         """Store a finished response with its conversation (instructions apart: they are this response's)."""
         if store is None or not body.store:
@@ -265,20 +249,54 @@ def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int
 
     @router.post("/v1/responses", responses=errors(400, 401, 404, 429, 500, 503, 504))
     async def create(body: ResponsesRequest, http: HttpRequest):
-        async with serving.using(body.model) as served:
-            chat, inputs = await asyncio.to_thread(translated, body, serving.engine(served))
-            submission = await serving.submit(served, inputs.prompts, inputs.params, chat.priority)
-            reply = serving.reply(served, submission, "chat.completion", model=chat.model, answer=inputs.answer)
-            response_id, created = _id("resp"), time.time()
-            if body.stream:
-                return serving.stream(served, _events(body, chat, reply, served.worker, response_id, created, kept))
-            await reply.drain(served.worker, http)
-            seq = submission.sequences[0]
+        response_id, created = _id("resp"), time.time()
+
+        def translate(engine: BatchEngine) -> Translated:
+            earlier = []
+            if body.previous_response_id is not None:
+                if store is None:
+                    raise LlamabatchError("previous_response_id: this server keeps no responses (it has no --data-dir)")
+                earlier = store.response(body.previous_response_id)[1]
+            chat = body.chat_request(earlier)
+            return Translated(chat, engine_inputs(chat, engine, reasoning_budget))
+
+        async def whole(reply: Reply) -> dict:
+            seq = reply.submission.sequences[0]
             message = reply.answer.message(seq.text)
             status = "incomplete" if seq.finish_reason == "length" else "completed"
-            obj = response_object(body, response_id, created, output_items(message), status, submission.sequences)
-            await asyncio.to_thread(kept, body, chat, obj, message)
+            obj = response_object(body, response_id, created, output_items(message), status, reply.submission.sequences)
+            await asyncio.to_thread(kept, body, reply.request, obj, message)
             return obj
+
+        async def events(reply: Reply, worker: EngineWorker) -> AsyncIterator[str]:
+            """The Responses API's stream: response.created and .in_progress; per output item its
+            .output_item.added, content part, deltas (.reasoning_text, .output_text,
+            .function_call_arguments) and their .done events, .output_item.done; then .completed
+            (or .incomplete when max_output_tokens cut it). A failure after the start is response.failed."""
+            items = _Items()
+            start = response_object(body, response_id, created, [], "in_progress")
+            yield items.send("response.created", response=start)
+            yield items.send("response.in_progress", response=start)
+            deltas: list[dict] = []
+            try:
+                async for delta in reply.answer_deltas(worker):
+                    deltas.append(delta)
+                    for chunk in items.feed(delta):
+                        yield chunk
+            except HTTPException as e:
+                failed = {**start, "status": "failed", "error": {"code": "server_error" if e.status_code >= 500 else "invalid_prompt",
+                                                                  "message": str(e.detail)}}
+                yield items.send("response.failed", response=failed)
+                return
+            for chunk in items.close():
+                yield chunk
+            seq = reply.submission.sequences[0]
+            status = "incomplete" if seq.finish_reason == "length" else "completed"
+            obj = response_object(body, response_id, created, items.items, status, reply.submission.sequences)
+            await asyncio.to_thread(kept, body, reply.request, obj, Answer.assembled(deltas))
+            yield items.send(f"response.{status}", response=obj)
+
+        return await answer(serving, body.model, body.stream, http, translate, whole, events)
 
     @router.get("/v1/responses/{response_id}", responses=errors(401, 404))
     async def get(response_id: str) -> dict:
@@ -296,45 +314,16 @@ def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int
 def _stored(store: Store | None, response_id: str) -> tuple[dict, list[dict]]:
     if store is None:
         raise HTTPException(404, f"no response with id {response_id!r}: this server keeps no responses (it has no --data-dir)")
-    try:
+    with refusals():
         return store.response(response_id)
-    except NotFound as e:
-        raise HTTPException(404, str(e)) from None
 
 
-async def _events(body, chat, reply: Reply, worker: EngineWorker, response_id: str, created: float, kept) -> AsyncIterator[str]:
-    """The Responses API's stream: response.created and .in_progress; per output item its
-    .output_item.added, content part, deltas (.reasoning_text, .output_text,
-    .function_call_arguments) and their .done events, .output_item.done; then .completed (or
-    .incomplete when max_output_tokens cut it). A failure after the start is response.failed."""
-    events = _Events()
-    start = response_object(body, response_id, created, [], "in_progress")
-    yield events.send("response.created", response=start)
-    yield events.send("response.in_progress", response=start)
-    deltas: list[dict] = []
-    try:
-        async for delta in reply.answer_deltas(worker):
-            deltas.append(delta)
-            for chunk in events.delta(delta):
-                yield chunk
-    except HTTPException as e:
-        failed = {**start, "status": "failed", "error": {"code": "server_error" if e.status_code >= 500 else "invalid_prompt",
-                                                          "message": str(e.detail)}}
-        yield events.send("response.failed", response=failed)
-        return
-    for chunk in events.close():
-        yield chunk
-    seq = reply.submission.sequences[0]
-    status = "incomplete" if seq.finish_reason == "length" else "completed"
-    obj = response_object(body, response_id, created, events.items, status, reply.submission.sequences)
-    await asyncio.to_thread(kept, body, chat, obj, Answer.assembled(deltas))
-    yield events.send(f"response.{status}", response=obj)
-
-
-class _Events:
-    """The open output item of a stream, and the events' sequence numbers."""
+class _Items(Blocks):
+    """The Responses API's output items as a stream opens and closes them (reasoning, message,
+    function calls), and the events' sequence numbers."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.number = 0
         self.items: list[dict] = []  # finished output items
         self.open: dict | None = None
@@ -342,36 +331,27 @@ class _Events:
     def send(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.number, **fields}
         self.number += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return sse(data, kind)
 
-    def delta(self, delta: dict) -> list[str]:
-        out = []
-        if delta.get("reasoning_content"):
-            out += self._open("reasoning")
-            out.append(self._text_delta("response.reasoning_text.delta", delta["reasoning_content"]))
-        if delta.get("content"):
-            out += self._open("message")
-            out.append(self._text_delta("response.output_text.delta", delta["content"], logprobs=[]))
-        for call in delta.get("tool_calls") or ():
-            out += self.close()
-            item = _call_item(call, "in_progress")
-            index = len(self.items)
-            out.append(self.send("response.output_item.added", output_index=index, item={**item, "arguments": ""}))
-            out.append(self.send("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"]))
-            out.append(self.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                 arguments=item["arguments"], name=item["name"]))
-            item["status"] = "completed"
-            out.append(self.send("response.output_item.done", output_index=index, item=item))
-            self.items.append(item)
-        return out
+    def opened(self, kind: str) -> list[str]:
+        self.open = _reasoning_item("", "in_progress") if kind == "reasoning" else _message_item("", "in_progress")
+        index = len(self.items)
+        return [self.send("response.output_item.added", output_index=index, item={**self.open, "content": []}),
+                self.send("response.content_part.added", item_id=self.open["id"], output_index=index, content_index=0,
+                          part=dict(self.open["content"][0]))]
 
-    def close(self) -> list[str]:
-        if self.open is None:
-            return []
+    def added(self, kind: str, text: str) -> list[str]:
+        self.open["content"][0]["text"] += text
+        at = {"item_id": self.open["id"], "output_index": len(self.items), "content_index": 0, "delta": text}
+        if kind == "reasoning":
+            return [self.send("response.reasoning_text.delta", **at)]
+        return [self.send("response.output_text.delta", **at, logprobs=[])]
+
+    def closed(self, kind: str) -> list[str]:
         item, self.open = self.open, None
         index = len(self.items)
         part = item["content"][0]
-        if item["type"] == "reasoning":
+        if kind == "reasoning":
             done = [self.send("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"])]
         else:
             done = [self.send("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"], logprobs=[])]
@@ -381,21 +361,17 @@ class _Events:
         self.items.append(item)
         return done
 
-    def _open(self, kind: str) -> list[str]:
-        if self.open is not None and self.open["type"] == kind:
-            return []
-        out = self.close()
-        self.open = _reasoning_item("", "in_progress") if kind == "reasoning" else _message_item("", "in_progress")
+    def called(self, call: dict) -> list[str]:
+        item = _call_item(call, "in_progress")
         index = len(self.items)
-        empty = {**self.open, "content": []}
-        out.append(self.send("response.output_item.added", output_index=index, item=empty))
-        out.append(self.send("response.content_part.added", item_id=self.open["id"], output_index=index, content_index=0,
-                             part=dict(self.open["content"][0])))
+        out = [self.send("response.output_item.added", output_index=index, item={**item, "arguments": ""}),
+               self.send("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"]),
+               self.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                         arguments=item["arguments"], name=item["name"])]
+        item["status"] = "completed"
+        out.append(self.send("response.output_item.done", output_index=index, item=item))
+        self.items.append(item)
         return out
-
-    def _text_delta(self, kind: str, text: str, **extra) -> str:
-        self.open["content"][0]["text"] += text
-        return self.send(kind, item_id=self.open["id"], output_index=len(self.items), content_index=0, delta=text, **extra)
 
 
 def _id(prefix: str) -> str:

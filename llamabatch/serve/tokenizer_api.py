@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field, StrictBool
 
-from ..errors import LlamabatchError
 from ..openai_format import Text, TokenId
-from .requests import Serving
+from .requests import Serving, refusals
 
 
 class VllmTokenize(BaseModel):
@@ -56,15 +55,13 @@ def tokenizer_routes(serving: Serving, authorized, errors: Callable[..., dict]) 
         async with serving.using(body.model) as served:
             current = serving.engine(served)
             tokens = current.vocab.tokenize(text, add_special=special)
-            return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=current.ctx.n_ctx_seq)
+            return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=current.facts.n_ctx_seq)
 
     @router.post("/detokenize", responses=errors(400, 401, 404, 503))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         async with serving.using(body.model) as served:
-            try:
+            with refusals():
                 text = serving.engine(served).vocab.detokenize(body.tokens)
-            except LlamabatchError as e:
-                raise HTTPException(400, str(e)) from None
             return DetokenizeResponse(prompt=text, content=text)
 
     @router.get("/tokenizer_info", responses=errors(401, 404, 503))
@@ -75,7 +72,7 @@ def tokenizer_routes(serving: Serving, authorized, errors: Callable[..., dict]) 
             return {
                 "tokenizer_class": "llama.cpp", "eos_token": vocab.text(vocab.eos), "bos_token": vocab.text(vocab.bos),
                 "pad_token": vocab.text(vocab.pad if vocab.pad >= 0 else vocab.eos), "add_bos_token": vocab.add_bos,
-                "model_max_length": current.ctx.n_ctx_seq,
+                "model_max_length": current.facts.n_ctx_seq,
                 "chat_template": current.chat.template.source if current.chat else None, "vocab_size": vocab.n_vocab,
             }
 
