@@ -350,3 +350,32 @@ def test_three_failed_steps_in_a_row_break_the_engine(make_engine, monkeypatch):
     engine.submit(["d"], GREEDY)
     with pytest.raises(EngineBroken, match="3 engine steps failed in a row"):
         engine.step()
+
+
+def test_two_long_prompts_are_read_together_beside_decoders_in_small_steps(make_engine):
+    """With a step target shorter than a decode step, prompts beside decoding sequences are read
+    MIN_TOKENS a step, shared between them (after one probe step measures a prompt token): every
+    decoding sequence gets its token every step, and both long prompts progress in every step
+    while both are being read."""
+    from llamabatch.engine.scheduling.budget import MIN_TOKENS, PROBE_TOKENS
+
+    engine = make_engine(n_parallel=4, n_ctx=4 * 1024, step_target=1e-6)
+    streams = engine.submit(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    for _ in range(5):  # their prompts, then steps of decode rows alone (what a decode step costs)
+        engine.step()
+    long_prompts = [" ".join(f"{w}{i}" for i in range(120)) for w in ("apple", "river")]
+    readers = engine.submit(long_prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert all(r.n_prompt > 4 * PROBE_TOKENS for r in readers)
+    read = []
+    while any(r.t_first_token is None for r in readers):
+        both = all(r.n_past < r.n_prompt - 1 for r in readers)
+        before = [(r.n_past, s.n_generated) for r, s in zip(readers, streams)]
+        engine.step()
+        read.append([min(r.n_past, r.n_prompt) - min(n, r.n_prompt) for r, (n, _) in zip(readers, before)])  # prompt tokens
+        assert [s.n_generated for s in streams] == [g + 1 for _, g in before]  # no stream stalls
+        assert not both or all(n > 0 for n in read[-1])  # neither waits for the other to be read
+    assert sum(read[0]) == PROBE_TOKENS
+    assert all(sum(step) <= MIN_TOKENS for step in read[1:]) and sum(read[1]) == MIN_TOKENS
+    while engine.has_work:
+        engine.step()
+    assert [(r.n_generated, r.finish_reason) for r in readers] == [(4, "length")] * 2

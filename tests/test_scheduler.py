@@ -4,6 +4,7 @@ prefix reuse from a slot's cache and prefix sharing between sequences."""
 import pytest
 
 from llamabatch import SamplingParams
+from llamabatch.engine.scheduling.budget import AUTO_TARGET, MIN_TOKENS, PROBE_TOKENS, StepBudget, shares
 from llamabatch.engine.scheduling.scheduler import Scheduler
 from llamabatch.engine.sequence import Sequence, Status
 from llamabatch.engine.step import Step
@@ -202,3 +203,60 @@ def test_evicting_cached_prefixes_empties_every_free_slot():
     sched.release(b)
     assert sorted(sched.slots.evict_cached()) == [0, 1]
     assert sched.slots.evict_cached() == []
+
+
+def test_the_prompt_budget_is_shared_so_that_every_prompt_progresses():
+    """Half the budget equally (never more than a prompt wants, the spare passed on), the rest
+    to the oldest prompt first."""
+    assert shares([3000], 100) == [100]
+    assert shares([3000, 3000], 100) == [75, 25]  # both progress; the older one faster
+    assert shares([10, 3000, 3000], 100) == [10, 70, 20]  # a short prompt takes what it needs, its spare goes on
+    assert shares([5, 5], 100) == [5, 5]
+    assert shares([], 100) == []
+    for wants in ([7, 300, 1, 52], [1000] * 9, [0, 40, 2]):
+        given = shares(wants, 64)
+        assert sum(given) <= 64 and all(0 <= g <= w for g, w in zip(given, wants))
+        assert sum(given) == min(64, sum(wants)) or sum(given) >= 64 - len(wants)  # integer halves lose at most a token a prompt
+
+
+def test_the_step_budget_comes_from_measured_step_costs():
+    budget = StepBudget()
+    assert budget.prompt_tokens(7, 505) == 505  # nothing measured: n_batch, as without a budget
+    for _ in range(20):
+        budget.observe(7, 0, 0.060)  # decode steps of 7 rows
+    assert budget.prompt_tokens(7, 505) == PROBE_TOKENS  # a prompt token's cost unknown: a probe
+    budget.observe(7, PROBE_TOKENS, 0.060 + PROBE_TOKENS * 0.0025)
+    assert budget.prompt_tokens(7, 505) == 2 * PROBE_TOKENS  # growing from the last step's, at most twice
+    for _ in range(40):
+        budget.observe(7, 100, 0.060 + 100 * 0.0025)
+    assert abs(budget.prompt_tokens(7, 505) - (AUTO_TARGET * 0.060 - 0.060) / 0.0025) <= 1  # auto: a few decode steps
+    assert budget.prompt_tokens(0, 505) == 505  # no stream to keep flowing
+    assert StepBudget(0.0).prompt_tokens(7, 505) == 505  # off
+    fixed = StepBudget(0.070)
+    fixed.decode_s, fixed.token_s = 0.060, 0.0025
+    assert fixed.prompt_tokens(7, 505) == MIN_TOKENS  # the floor: a prompt always progresses
+    noisy = StepBudget()
+    for seconds in (0.060,) * 20 + (0.100,):  # a slow decode step, then a probe that looks cheap beside it
+        noisy.observe(7, 0, seconds)
+    noisy.observe(7, PROBE_TOKENS, 0.100)
+    assert noisy.prompt_tokens(7, 505) <= 2 * PROBE_TOKENS  # one measurement moves the budget little
+
+
+def test_two_long_prompts_are_read_together_beside_decoders_within_the_budget():
+    sched = Scheduler(n_slots=4, n_batch=512, step_target=None)
+    sched.budget.decode_s, sched.budget.token_s = 0.060, 0.0025  # as measured
+    budget = (AUTO_TARGET * 0.060 - 0.060) / 0.0025
+    a, b = seq(0, 3), seq(1, 3)
+    for s in (a, b):
+        sched.add(s)
+    run_chunks(schedule(sched))  # both decoding
+    long1, long2 = seq(2, 3000), seq(3, 3000)
+    sched.add(long1)
+    sched.add(long2)
+    for _ in range(5):
+        step = schedule(sched)
+        sizes = dict(zip(step.rows, step.chunks))
+        assert sizes[a] == sizes[b] == 1
+        assert sizes[long1] > 0 and sizes[long2] > 0 and sizes[long1] + sizes[long2] <= budget
+        assert (step.n_decoding, step.n_prompt) == (2, sizes[long1] + sizes[long2])
+        run_chunks(step)

@@ -53,6 +53,9 @@ DraftModelOpt = Annotated[
     Optional[str], typer.Option("--draft-model", metavar="NAME|PATH", help="A smaller model with the same vocabulary that drafts tokens (turns on --speculative draft).")
 ]
 DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Most draft tokens per sequence and step (15).")]
+StepTargetOpt = Annotated[Optional[str], typer.Option(
+    "--step-target", metavar="DURATION|auto|off", help="Keep a step that reads prompt tokens beside decoding sequences near this (e.g. 200ms), the prompts sharing it, so streams do not stall while a long prompt is read; auto: six decode steps' time (serve's default; --max-itl when given); off: whole --batch-size chunks, oldest prompt first (run's and batch's default).",
+)]
 CheckpointEveryOpt = Annotated[Optional[int], typer.Option(
     "--checkpoint-every", metavar="TOKENS", help="Recurrent and hybrid models: checkpoint a prompt's state every TOKENS (64; 0: at its end only), so later prompts reuse its prefix.",
 )]

@@ -18,7 +18,7 @@ from ..engine.native.backend import init_backend
 from ..engine.sizing.options import AUTO, EngineOptions, memory_budget
 from ..engine.rpc import DEFAULT_PORT as DEFAULT_RPC_PORT
 from ..errors import LlamabatchError
-from .options import BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt, MaxItlOpt, ParallelOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SharePrefixesOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt, UbatchOpt, VerboseOpt, parse_pooling, parse_replicas, reports_errors
+from .options import BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, StepTargetOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt, MaxItlOpt, ParallelOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SharePrefixesOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt, UbatchOpt, VerboseOpt, parse_pooling, parse_replicas, reports_errors
 
 if TYPE_CHECKING:  # the server's imports load only when serving
     from ..serve.app import ServerSettings
@@ -72,6 +72,7 @@ def serve(
     speculative: SpeculativeOpt = None,
     draft_model: DraftModelOpt = None,
     draft_max: DraftMaxOpt = None,
+    step_target: StepTargetOpt = None,
     checkpoint_every: CheckpointEveryOpt = None,
     checkpoint_memory: CheckpointMemoryOpt = None,
     cache_ram: CacheRamOpt = None,
@@ -104,9 +105,13 @@ def serve(
     if not several:  # an unknown model or a missing file fails here, not in a thread (with several: at its load)
         for name in (names[0], draft_model) if draft_model else (names[0],):
             Catalog.load(config).resolve(name).gguf_path()
+    # Streams are what a server is for: prompts are read beside them within a step budget, unless
+    # told otherwise (--max-itl sets the budget when given: options.EngineOptions).
+    default_target = "auto" if step_target is None and max_itl is None else step_target
     served = {
-        Catalog.load(config).resolve(name).name: EngineOptions.of({**context.params, "model": name, "memory": None if several else memory})
-        .engine_kwargs() for name in names
+        Catalog.load(config).resolve(name).name: EngineOptions.of(
+            {**context.params, "model": name, "memory": None if several else memory, "step_target": default_target}).engine_kwargs()
+        for name in names
     }
     engine = next(iter(served.values()))
     if max_upload_mb < 1:

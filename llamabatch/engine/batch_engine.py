@@ -104,7 +104,7 @@ class BatchEngine:
             max_outputs=LOGITS_BUDGET_BYTES // (4 * self.vocab.n_vocab), policy=cfg.scheduling,
             # Memory that cannot be cut is checkpointed where prefills stop: every checkpoint_every
             # prompt tokens, at a prompt's end, where a reused prefix stopped matching.
-            checkpoint_every=self.runtime.checkpoint_every,
+            checkpoint_every=self.runtime.checkpoint_every, step_target=None if cfg.step_target == "auto" else cfg.step_target,
         )
 
     # -- submitting work -------------------------------------------------------------

@@ -65,6 +65,11 @@ class EngineConfig:
     speculative: str = "off"
     draft_model: str | None = None
     draft_max: int = 15  # with its last token, 16 rows: a multiple of the CPU kernels' 4-row tile
+    # Seconds a step that reads prompt tokens beside decoding sequences keeps to (scheduling.budget),
+    # the prompts being read sharing it; "auto": a few decode steps' time; 0: none, whole n_batch
+    # chunks in admission order (the default: offline work wants throughput; serve sets auto). A
+    # duration's text ("100ms", "off") is read too.
+    step_target: float | str = 0.0
     checkpoint_every: int = CHECKPOINT_EVERY  # recurrent/hybrid memory: prompt tokens between checkpoints (0: ends only)
     checkpoint_memory: int = CHECKPOINT_MEMORY  # bytes of host memory for them (0: none kept)
     embed_pack: int = EMBED_PACK_TOKENS  # tokens packed into one embedding decode
@@ -110,6 +115,7 @@ class EngineConfig:
         object.__setattr__(self, "checkpoint_memory", size_option(self.checkpoint_memory, "--checkpoint-memory"))
         object.__setattr__(self, "cache_ram", size_option(self.cache_ram, "--cache-ram"))
         object.__setattr__(self, "cache_disk", size_option(self.cache_disk, "--cache-disk"))
+        object.__setattr__(self, "step_target", step_target_option(self.step_target))
         for problem in self._problems():
             raise ConfigError(problem)
 
@@ -176,6 +182,8 @@ class EngineConfig:
             yield f"--scheduling-policy must be 'priority' or 'fcfs', got {self.scheduling!r}"
         if self.draft_max < 1:
             yield f"--draft-max must be >= 1, got {self.draft_max}"
+        if self.step_target != "auto" and self.step_target < 0:
+            yield f"--step-target must be a duration, auto or off, got {self.step_target} s"
         if self.checkpoint_every < 0:
             yield f"--checkpoint-every must be >= 0 tokens (0: checkpoints only at prompt ends), got {self.checkpoint_every}"
         for option, value in (("--checkpoint-memory", self.checkpoint_memory), ("--cache-ram", self.cache_ram),
@@ -200,6 +208,19 @@ class EngineConfig:
             yield "--tensor-split shares offloaded layers between devices, and this engine has none: add --rpc, or drop --tensor-split"
         if self.gpu_layers < -1:
             yield f"gpu_layers must be -1 (all) or >= 0, got {self.gpu_layers}"
+
+
+def step_target_option(value: float | str) -> float | str:
+    """--step-target: seconds (a number, or a duration such as 150ms), "auto", or "off" (0)."""
+    if not isinstance(value, str):
+        return float(value)
+    text = value.strip().lower()
+    if text in ("auto", "off", "0"):
+        return "auto" if text == "auto" else 0.0
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise ConfigError(f"--step-target: {e}; or auto, or off") from None
 
 
 def size_option(value: int | str, option: str) -> int:

@@ -21,9 +21,11 @@ class Step:
     draws: bool = True  # some running sequence draws its token (else greedy rows take one argmax)
     special: bool = True  # some running sequence is sampled otherwise than by its sampler alone
     checkpoints: frozenset[int] = frozenset()  # uids of the rows whose chunk ends at a checkpoint
+    n_decoding: int = 0  # rows that bring one token to decode (the streams this step is a gap of)
+    n_prompt: int = 0  # prompt tokens the other rows bring
 
     def of(self, rows: list[Sequence]) -> Step:
         """The same step for some of its rows (a decode tried again without the one that failed);
         never plain: a row whose memory was put back may have prompt to decode again."""
         chunk = {id(seq): n for seq, n in zip(self.rows, self.chunks)}
-        return replace(self, rows=rows, chunks=[chunk[id(seq)] for seq in rows], plain=False)
+        return replace(self, rows=rows, chunks=[chunk[id(seq)] for seq in rows], plain=False, n_decoding=0, n_prompt=0)

@@ -90,6 +90,8 @@ class Stepper:
         ended = time.perf_counter()
         if decoded:
             self.stats.record_step(started, ended)
+            if failure is None and not drafted:  # a step as composed: what its rows cost, for the step budget
+                self.scheduler.budget.observe(step.n_decoding, step.n_prompt, ended - started)
         if drafted is not None and failure is None:  # planned, so a pure decode step (the speculator plans none beside a prompt)
             self.speculator.observe(drafted, self.stats.completion_tokens - tokens_before, ended - started)
         return failure if not decoded else None

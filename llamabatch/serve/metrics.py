@@ -60,6 +60,10 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
         )
         self.step_seconds = Histogram("llamabatch_step_seconds", "Time per engine step", m, buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_prompt_tokens = Histogram(
+            "llamabatch_step_prompt_tokens", "Prompt tokens each engine step decoded (the step budget's share beside decoders)", m,
+            buckets=(0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), registry=r,
+        )
         self.ttft = Histogram(
             "llamabatch_time_to_first_token_seconds", "Submission to first token", [*m, "class"], buckets=_LATENCY_BUCKETS, registry=r,
         )
@@ -101,6 +105,7 @@ class Metrics:
         if report.n_sequences:
             self.active.labels(model).observe(report.n_sequences)
             self.step_seconds.labels(model).observe(report.seconds)
+            self.step_prompt_tokens.labels(model).observe(report.prompt_tokens)
         for name, n in report.tokens.items():
             self.generated_tokens.labels(model, name).inc(n)
         for name, seconds in report.first_tokens:

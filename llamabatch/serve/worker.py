@@ -84,6 +84,7 @@ class StepReport:
 
     n_sequences: int  # in its llama_decode
     seconds: float
+    prompt_tokens: int = 0  # prompt tokens it decoded (the step budget's work beside the decoders)
     tokens: dict[str, int] = field(default_factory=dict)  # tokens sampled, by priority class
     first_tokens: list[tuple[str, float]] = field(default_factory=list)  # (class, seconds since submitted) of each first token
     gaps: list[float] = field(default_factory=list)  # seconds since each sequence's previous token
@@ -371,11 +372,12 @@ class EngineWorker:
                 submission.loop.call_soon_threadsafe(_resolve, submission.done, None, (rows, sum(map(len, lists))))
 
     def _step(self) -> None:
-        slots_before = self.engine.stats.sequence_slots
+        stats = self.engine.stats
+        slots_before, prompt_before = stats.sequence_slots, stats.prompt_tokens_evaluated
         started = time.perf_counter()
         events = self.engine.step()
         now = time.perf_counter()
-        report = StepReport(self.engine.stats.sequence_slots - slots_before, now - started)
+        report = StepReport(stats.sequence_slots - slots_before, now - started, stats.prompt_tokens_evaluated - prompt_before)
         deliveries: dict[asyncio.AbstractEventLoop, dict[Submission, list[Event]]] = {}
         for event in events:
             owner = self._owners.get(event.uid)

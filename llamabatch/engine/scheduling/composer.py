@@ -1,5 +1,7 @@
-"""What each step carries: every decoding sequence's next token, then prompt chunks filling the
-n_batch budget, one adapter set a step, cut where checkpoints and the logits budget say."""
+"""What each step carries: every decoding sequence's next token, then prompt chunks within the
+step's budget (n_batch tokens, and beside decoders a time budget: StepBudget), shared out so that
+every prompt being read progresses; one adapter set a step, cut where checkpoints and the logits
+budget say."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections import Counter
 from ..adapters import AdapterSet
 from ..sequence import Sequence
 from ..step import Step
+from .budget import StepBudget, shares
 from .leaders import Leaders
 
 _by_seq_id = operator.attrgetter("seq_id")
@@ -18,9 +21,11 @@ class Composer:
     """Composes steps from the running sequences; its state is the adapter sets' turns and, in
     deterministic mode, the prompt tokens prefilled since the last decode step."""
 
-    def __init__(self, n_batch: int, max_outputs: int, policy: str, deterministic: bool, checkpoint_every: int | None) -> None:
+    def __init__(self, n_batch: int, max_outputs: int, policy: str, deterministic: bool, checkpoint_every: int | None,
+                 budget: StepBudget | None = None) -> None:
         self.n_batch, self.max_outputs, self.policy = n_batch, max_outputs, policy
         self.deterministic, self.checkpoint_every = deterministic, checkpoint_every
+        self.budget = budget or StepBudget()
         self._prefilled_since_decode = 0  # prompt tokens; deterministic mode
         # LoRA adapter sets take turns (llama.cpp decodes one set per step): the step each last had.
         self._turn = 0
@@ -52,23 +57,31 @@ class Composer:
             return self._isolated(generating, prefilling, draws, special), False
         if prefilling and self.policy == "priority":
             generating, prefilling = _held_back(generating, prefilling)
-        budget, outputs = self.n_batch - len(generating) - reserved, len(generating) + reserved
         chunks = dict.fromkeys(generating, 1)
+        checkpoints = self._read_prompts(prefilling, len(generating), reserved, chunks) if prefilling else frozenset()
+        plain = plain and len(chunks) == len(generating)
+        return _step(chunks, plain, draws, special, checkpoints, len(generating)), plain and not mixed
+
+    def _read_prompts(self, prefilling: list[Sequence], n_decoding: int, reserved: int, chunks: dict[Sequence, int]) -> frozenset[int]:
+        """Each prompt's chunk into `chunks`, within the step's budget: shared out while the step
+        budget is on, else the oldest first, each all it wants. Returns the uids of the rows whose
+        chunk ends at a checkpoint."""
+        budget = self.budget.prompt_tokens(n_decoding, self.n_batch - n_decoding - reserved)
+        outputs = n_decoding + reserved
+        wants = [_want(seq) for seq in prefilling]
+        shared = shares(wants, budget) if self.budget.on else None
         checkpoints = set()
-        for seq in prefilling:
-            if budget == 0:
-                break
-            cap = seq.prefix_cap
-            n = self._fit_outputs(seq, min(seq.n_pending, budget, cap - seq.n_past if cap else budget), outputs)
+        for k, seq in enumerate(prefilling):
+            n = self._fit_outputs(seq, shared[k] if shared is not None else min(wants[k], budget), outputs)
             if n == 0:
                 continue
+            if shared is None:
+                budget -= n
             chunks[seq], checkpoint = self._stop_at_checkpoint(seq, n)
             if checkpoint:
                 checkpoints.add(seq.uid)
-            budget -= n
             outputs += len(seq.scored_rows(seq.n_past, n)) + 1
-        plain = plain and len(chunks) == len(generating)
-        return _step(chunks, plain, draws, special, frozenset(checkpoints)), plain and not mixed
+        return frozenset(checkpoints)
 
     def _one_adapter_set(self, generating: list[Sequence], prefilling: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """The rows of one adapter set: the set whose sequences have waited longest, weighted by
@@ -98,9 +111,9 @@ class Composer:
             seq = prefilling[0]
             n, checkpoint = self._stop_at_checkpoint(seq, max(1, self._fit_outputs(seq, min(seq.n_pending, self.n_batch), 0)))
             self._prefilled_since_decode += n
-            return _step({seq: n}, False, draws, special, frozenset([seq.uid]) if checkpoint else frozenset())
+            return _step({seq: n}, False, draws, special, frozenset([seq.uid]) if checkpoint else frozenset(), 0)
         self._prefilled_since_decode = 0
-        return _step(dict.fromkeys(generating, 1), False, draws, special)
+        return _step(dict.fromkeys(generating, 1), False, draws, special, n_decoding=len(generating))
 
     def _stop_at_checkpoint(self, seq: Sequence, n: int) -> tuple[int, bool]:
         """A prompt chunk of up to n tokens, ended at the next checkpoint position of its prompt
@@ -117,9 +130,18 @@ class Composer:
         return n, False
 
 
-def _step(chunks: dict[Sequence, int], plain: bool, draws: bool, special: bool, checkpoints: frozenset[int] = frozenset()) -> Step:
+def _step(chunks: dict[Sequence, int], plain: bool, draws: bool, special: bool, checkpoints: frozenset[int] = frozenset(),
+          n_decoding: int = 0) -> Step:
     rows = sorted(chunks, key=_by_seq_id)  # rows in seq_id order: see SlotPool
-    return Step(rows, [chunks[seq] for seq in rows], plain, draws, special, checkpoints)
+    sizes = [chunks[seq] for seq in rows]
+    return Step(rows, sizes, plain, draws, special, checkpoints, n_decoding, sum(sizes) - n_decoding)
+
+
+def _want(seq: Sequence) -> int:
+    """The prompt tokens a prefilling sequence may take now: the rest of its prompt, or up to
+    where its followers wait for it to pause."""
+    cap = seq.prefix_cap
+    return min(seq.n_pending, cap - seq.n_past) if cap else seq.n_pending
 
 
 def _held_back(generating: list[Sequence], prefilling: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:

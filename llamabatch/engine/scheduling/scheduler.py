@@ -6,6 +6,7 @@ import itertools
 
 from ..sequence import Sequence, Status
 from ..step import Step
+from .budget import StepBudget
 from .composer import Composer
 from .fillers import LONE_ROW_MAX_CELLS, Filler, fillers
 from .leaders import Leaders
@@ -34,7 +35,7 @@ class Scheduler:
     def __init__(
         self, n_slots: int, n_batch: int, share_prefixes: bool = True, deterministic: bool = False, n_streams: int = 0,
         lone_row_max_cells: int = LONE_ROW_MAX_CELLS, max_outputs: int | None = None, policy: str = "priority",
-        checkpoint_every: int | None = None,
+        checkpoint_every: int | None = None, step_target: float | None = 0.0,
     ) -> None:
         """`max_outputs`: logits rows a step may ask for (scored prompts want one per token, and
         each row is a vocabulary of floats: their chunks shrink to fit). `deterministic`: a
@@ -43,7 +44,10 @@ class Scheduler:
         holds many cells (fillers). `checkpoint_every`: memory that cannot be cut (recurrent,
         hybrid) is only reusable where a checkpoint was taken, and one is taken only where a
         decode ends: prompt chunks end every checkpoint_every positions (0: only at the prompt's
-        end and where it parts from a cached one); None: memory can be cut anywhere."""
+        end and where it parts from a cached one); None: memory can be cut anywhere.
+        `step_target`: the seconds a step carrying prompt tokens beside decoders keeps to
+        (StepBudget; None: a few decode steps' time; 0: no time budget, whole n_batch chunks in
+        admission order)."""
         if n_batch < n_slots:
             raise ValueError(f"n_batch ({n_batch}) must be at least the number of slots ({n_slots})")
         self.share_prefixes, self.deterministic, self.policy = share_prefixes, deterministic, policy
@@ -55,7 +59,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.slots = SlotPool(n_slots)
         self.leaders = Leaders()
-        self.composer = Composer(n_batch, self.max_outputs, policy, deterministic, checkpoint_every)
+        self.budget = StepBudget(step_target)
+        self.composer = Composer(n_batch, self.max_outputs, policy, deterministic, checkpoint_every, self.budget)
         self.n_sampled = 0  # running sequences that draw (not greedy): a greedy step skips looking for them
         self.n_special = 0  # running sequences sampled otherwise than by their sampler alone (Sequence.special)
         # After the KV cache ran full, admitting more would only fill it again: wait until

@@ -60,6 +60,7 @@ class EngineOptions:
     chat: bool | None = None
     chat_template: str | None = None  # a Jinja file, or a llama.cpp built-in's name
     max_itl: str | None = None  # a duration (150ms): --parallel auto keeps p95 inter-token latency within it
+    step_target: str | None = None  # a duration, auto or off; default: --max-itl when given
     verbose: bool = False
 
     @classmethod
@@ -88,6 +89,8 @@ class EngineOptions:
         """BatchEngine's keyword arguments but the slots and the cache size: every option that is
         an EngineConfig field, under the config's name."""
         settings = {RENAMED.get(f.name, f.name): getattr(self, f.name) for f in fields(self)}
+        if self.step_target is None and self.max_itl is not None:  # a step is a stream's gap: keep it within the latency asked for
+            settings["step_target"] = self.max_itl
         return dict({k: v for k, v in settings.items() if k in CONFIG_FIELDS}, model=self.model, catalog=self.config)
 
     def tuning(self, max_batch: int | None = None, say=None, again: bool = False,
