@@ -14,6 +14,7 @@ import concurrent.futures
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -23,6 +24,7 @@ import pytest
 from llamabatch import BatchEngine, SamplingParams
 from llamabatch.engine import Sequence
 from llamabatch.engine.memory.streams import Family
+from llamabatch.engine.scheduling.budget import MIN_TOKENS
 from llamabatch.engine.sizing.planning import KvShape, plan_for
 from llamabatch.openai_format import chat_logprobs
 
@@ -164,6 +166,26 @@ def test_prompts_sharing_a_long_prefix_reuse_it_after_their_slot_is_taken(family
         assert attention.n_cached - 64 <= hybrid.n_cached <= attention.n_cached
     assert evaluated <= sum(s.n_prompt for s in got) - 4 * (1000 - 64)
     assert_same_runs(got, alone(model, prompts))
+
+
+def test_long_prompts_read_in_small_pieces_beside_decoders_answer_as_alone(family):
+    """A step budget far below a decode step: two long prompts are read a few tokens a step,
+    sharing it, beside two decoding sequences; memory that cannot be cut is checkpointed where
+    chunks end, as without a budget. Each output is the one it gets alone."""
+    _, model = family
+    prompts = ["Once upon a time", "def fib(n):", f"{SYSTEM}Question 1: which page?", f"Notes. {SYSTEM}Question 2: which one?"]
+    params = [replace(GREEDY, max_tokens=200)] * 2 + [GREEDY] * 2  # the decoders outlast the reading
+    with engine_on(model, step_target=1e-6) as engine:
+        decoding = engine.submit(prompts[:2], params[:2])
+        for _ in range(4):
+            engine.step()
+        long_prompts = engine.submit(prompts[2:], params[2:])
+        steps_before = engine.stats.decode_calls
+        got = drain(engine, decoding + long_prompts)
+        assert engine.stats.decode_calls - steps_before >= sum(s.n_prompt for s in long_prompts) // MIN_TOKENS  # a few tokens a step
+        assert engine.memory.checkpoints.count > 0 or not engine.memory.checkpointing
+    expected = [run for prompt, p in zip(prompts, params) for run in alone(model, [prompt], p)]
+    assert_same_runs(got, expected)
 
 
 def test_a_conversation_continues_from_where_its_last_turn_ended(family):
@@ -504,8 +526,6 @@ def test_a_model_llamabatch_cannot_run_is_refused_with_the_reason_on_every_path(
 def test_sampled_decoding_on_several_threads_draws_what_one_thread_draws(family):
     """Seeded sampling (top-p, penalties, min-p) on each family: a step's rows drawn on three
     threads give the tokens one thread gives, and every sequence runs to its length."""
-    from dataclasses import replace
-
     from llamabatch.engine.sampling.picker import Picker
 
     _, model = family
