@@ -139,7 +139,8 @@ def split_in(tree: Path, model: str, b: int, args, native_too: bool) -> tuple[fl
         settings = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}
         code = ("import argparse, json; from benchmarks.overhead import step_split; "
                 f"print(json.dumps(step_split({model!r}, {b}, argparse.Namespace(**{settings!r}), native_too={native_too})))")
-        _, out = run_command([sys.executable, "-c", code], env={"PYTHONPATH": os.pathsep.join([shim, str(ROOT)])}, cwd=shim)
+        path = os.pathsep.join([shim, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # the tree's llamabatch first
+        _, out = run_command([sys.executable, "-c", code], env={"PYTHONPATH": path}, cwd=shim)
     return tuple(json.loads([line for line in out.splitlines() if line.startswith("[")][-1]))
 
 
