@@ -126,7 +126,7 @@ class Window:
         steps = delta("llamabatch_step_seconds_count")
         return {"batch_tokens_per_s": delta('llamabatch_generated_tokens_total{class="batch"}') / seconds,
                 "mean_step_ms": 1000 * delta("llamabatch_step_seconds_sum") / steps if steps else 0.0,
-                "preemptions": delta("llamabatch_priority_preemptions")}
+                "preemptions": delta("llamabatch_priority_preemptions_total")}
 
 
 def summary(values: list[float]) -> dict:

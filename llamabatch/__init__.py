@@ -1,5 +1,7 @@
 """llamabatch: true batched inference for llama.cpp from Python."""
 
+from importlib.metadata import version
+
 from . import openmp
 
 with openmp.short_spin():
@@ -7,6 +9,8 @@ with openmp.short_spin():
 
 from .engine import BatchEngine, Event, Result, RunStats, SamplingParams, Timings
 from .errors import ConfigError, ConstraintError, DecodeError, EngineBroken, LlamabatchError, ModelError, PromptError, SamplingError
+
+__version__ = version("llamabatch")  # one source: pyproject.toml
 
 __all__ = [
     "BatchEngine", "ConfigError", "ConstraintError", "DecodeError", "EngineBroken", "Event", "LlamabatchError", "ModelError",

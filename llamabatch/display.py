@@ -341,14 +341,19 @@ def tune_table(tuning, chosen, max_itl_s: float | None, job: tuple[float, float]
     for header in ("B", "S_TG tok/s", "S_PP tok/s", "ITL p50", "ITL p95", ""):
         table.add_column(header, justify="right", no_wrap=True)
     for p in tuning.points:
-        mark = "chosen" if p is chosen else ("over --max-itl" if max_itl_s is not None and p.itl_p95_s > max_itl_s else "")
+        marks = (["chosen"] if p is chosen else []) + (["over --max-itl"] if max_itl_s is not None and p.itl_p95_s > max_itl_s else [])
+        mark = ", ".join(marks)
         table.add_row(str(p.batch_size), f"{p.s_tg:.1f}", f"{p.s_pp:.0f}", f"{p.itl_p50_s * 1e3:.1f} ms", f"{p.itl_p95_s * 1e3:.1f} ms", mark)
     wide.print(table)
+    measured = f"({tuning.prompt_tokens}-token prompts; measured in {tuning.seconds:.1f} s, stored as {tuning.key})"
+    if max_itl_s is not None and chosen.itl_p95_s > max_itl_s:  # nothing met the budget: say so, and what was taken instead
+        wide.print(f"no batch size keeps p95 within {max_itl_s * 1e3:.0f} ms between tokens: batch size {chosen.batch_size}, "
+                   f"the lowest latency measured (p95 {chosen.itl_p95_s * 1e3:.0f} ms) {measured}")
+        return
     budget = f" within p95 {max_itl_s * 1e3:.0f} ms between tokens" if max_itl_s is not None else ""
     best = (f"the soonest end of the job ({job[0]:.0f} prompt and {job[1]:.0f} new tokens a request, prefill counted)"
             if job else "the highest decode throughput")
-    wide.print(f"batch size {chosen.batch_size}: {best}{budget} "
-               f"({tuning.prompt_tokens}-token prompts; measured in {tuning.seconds:.1f} s, stored as {tuning.key})")
+    wide.print(f"batch size {chosen.batch_size}: {best}{budget} {measured}")
 
 
 def determinism_table(checks: list, deterministic: bool) -> None:

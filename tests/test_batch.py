@@ -420,3 +420,19 @@ def test_sigint_drains_and_prints_the_resume_command_and_a_second_one_stops_at_o
     assert proc.returncode == 130 and time.monotonic() - started < 5
     written = lines(tmp_path / "slow.jsonl")
     assert len(written) < 32 and all(line["usage"]["completion_tokens"] == 1500 for line in written)
+
+
+def test_an_output_no_job_wrote_is_refused_not_appended_to(tiny_model, tmp_path):
+    """`run --json` wrote out.jsonl: a batch job refuses to append its lines to it (there is no
+    manifest beside it), and writes it afresh with --overwrite."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello world\nOnce upon a time\n")
+    output = tmp_path / "out.jsonl"
+    output.write_text('{"index": 0, "text": "from run --json"}\n')
+    args = ["-m", str(tiny_model), "--max-tokens", "4", "--threads", "2"]
+    refused = CliRunner().invoke(app, ["batch", str(prompts), "-o", str(output), *args])
+    assert refused.exit_code != 0 and "no llamabatch job wrote it" in " ".join(refused.output.split())
+    assert output.read_text() == '{"index": 0, "text": "from run --json"}\n'
+    done = CliRunner().invoke(app, ["batch", str(prompts), "-o", str(output), *args, "--overwrite"])
+    assert done.exit_code == 0, done.output
+    assert "from run --json" not in output.read_text() and len(output.read_text().splitlines()) == 2

@@ -210,10 +210,10 @@ def test_interactive_requests_go_before_a_running_batch(api):
     deadline = time.monotonic() + 30
     while metric(base, 'llamabatch_sequences_running{class="batch"}') < 4 and time.monotonic() < deadline:
         time.sleep(0.02)
-    preempted = metric(base, "llamabatch_priority_preemptions")
+    preempted = metric(base, "llamabatch_priority_preemptions_total")
     reply = client.completions.create(model="tiny", prompt="urgent", max_tokens=8, temperature=0)
     assert reply.usage.completion_tokens == 8
-    assert metric(base, "llamabatch_priority_preemptions") > preempted
+    assert metric(base, "llamabatch_priority_preemptions_total") > preempted
     assert client.batches.retrieve(batch.id).status == "in_progress"  # the batch is still running
     assert wait(client, batch.id).request_counts.completed == 8  # and its preempted request finished in full
 

@@ -240,7 +240,7 @@ def test_the_server_reuses_a_prefix_across_requests_and_in_a_burst(family, serve
         ours, _ = chat_tokens(reply["choices"][0]["logprobs"])
         assert_same_run(ours, theirs, tops, f"request {k}")
     metrics = httpx.get(f"{base}/metrics").text
-    restores = next(line for line in metrics.splitlines() if line.startswith("llamabatch_checkpoint_restores{"))
+    restores = next(line for line in metrics.splitlines() if line.startswith("llamabatch_checkpoint_restores_total{"))
     assert float(restores.split()[1]) >= 1
     assert 'memory="' in metrics
 

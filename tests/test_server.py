@@ -302,8 +302,8 @@ def test_a_server_with_a_draft_model_answers_as_without_and_counts_drafts(serve,
             return [r.choices[0].text for r in replies]
 
     assert answers(fast) == answers(client)
-    assert metric(fast_base, "llamabatch_draft_tokens") >= 8
-    assert metric(fast_base, "llamabatch_draft_tokens_accepted") > 0.9 * metric(fast_base, "llamabatch_draft_tokens")
+    assert metric(fast_base, "llamabatch_draft_tokens_total") >= 8
+    assert metric(fast_base, "llamabatch_draft_tokens_accepted_total") > 0.9 * metric(fast_base, "llamabatch_draft_tokens_total")
 
 
 @pytest.mark.parametrize("path, body", [
@@ -354,3 +354,29 @@ def test_prompts_are_tokenized_and_constraints_compiled_off_the_engine_thread(se
     # the same refusal as before, now before the engine sees the request
     refused = httpx.post(f"{base}/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2, "grammar": "root ::= ("}, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("invalid grammar")
+
+
+def test_metrics_parse_as_prometheus_reads_them_with_counters_as_counters_and_a_model_on_every_series(serve):
+    """/metrics through prometheus_client's own text parser: running totals are counters (so
+    rate() reads them right), every engine series is labelled by its model, and the inter-token
+    histogram counts the gaps of a streamed answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base = serve(engine_extra={"speculative": "ngram"})
+    body = {"prompt": "hello world hello world hello world", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200 and list(response.iter_lines())[-2] == "data: [DONE]"
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)}
+    for name in ("llamabatch_draft_tokens", "llamabatch_draft_tokens_accepted", "llamabatch_priority_preemptions",
+                 "llamabatch_adapter_switches", "llamabatch_checkpoint_restores", "llamabatch_generated_tokens",
+                 "llamabatch_requests_finished"):
+        assert families[name].type == "counter", name
+    for name in ("llamabatch_kv_cells_used", "llamabatch_sequences_running", "llamabatch_checkpoint_bytes"):
+        assert families[name].type == "gauge", name
+    for family in families.values():
+        if family.name.startswith("llamabatch_"):
+            assert all("model" in sample.labels for sample in family.samples), family.name
+    gaps = families["llamabatch_inter_token_latency_seconds"]
+    assert gaps.type == "histogram"
+    count = next(s for s in gaps.samples if s.name.endswith("_count"))
+    assert count.labels["model"] and count.value >= 23

@@ -92,7 +92,12 @@ def test_tune_shows_the_curve_and_honours_the_budget(tiny_model, tmp_path):
     within = invoke("tune", "-m", tiny_model, "--threads", 2, "--max-batch", 16, "--max-itl", f"{budget * 1000}ms", "--json")
     chosen = json.loads(within.stdout.splitlines()[-1])
     point = next(p for p in chosen["points"] if p["batch_size"] == chosen["chosen"])
-    assert point["itl_p95_s"] <= budget
+    assert point["itl_p95_s"] <= budget and chosen["within_max_itl"]
+    # A budget nothing meets: the lowest latency is taken, and said to be over the budget, not within it
+    over = invoke("tune", "-m", tiny_model, "--threads", 2, "--max-batch", 16, "--max-itl", "0.000001ms")
+    assert over.exit_code == 0, over.output
+    assert "no batch size keeps p95 within" in " ".join(over.output.split()) and "the lowest latency measured" in " ".join(over.output.split())
+    assert "within p95" not in " ".join(over.output.split())
     pytest.importorskip("matplotlib")
     plotted = invoke("tune", "-m", tiny_model, "--threads", 2, "--max-batch", 16, "--plot", tmp_path / "tune.png")
     assert plotted.exit_code == 0 and (tmp_path / "tune.png").stat().st_size > 1000

@@ -207,7 +207,8 @@ def tune(
     itl = options.max_itl_s
     chosen = found.choose(itl, job=shape)
     if json_out:
-        display.json_line({**found.to_dict(), "chosen": chosen.batch_size, "max_itl_s": itl, "job": shape})
+        display.json_line({**found.to_dict(), "chosen": chosen.batch_size, "max_itl_s": itl, "job": shape,
+                           "within_max_itl": itl is None or chosen.itl_p95_s <= itl})
     else:
         display.tune_table(found, chosen, itl, shape)
     if plot is not None:

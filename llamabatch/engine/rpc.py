@@ -54,6 +54,8 @@ for _name, _args, _ret in (
     ("ggml_backend_dev_get", [_size], _vp),
     ("ggml_backend_dev_by_type", [ctypes.c_int], _vp),
     ("ggml_backend_dev_type", [_vp], ctypes.c_int),
+    ("ggml_backend_dev_name", [_vp], _str),
+    ("ggml_backend_dev_description", [_vp], _str),
 ):
     getattr(libggml, _name).argtypes, getattr(libggml, _name).restype = _args, _ret
 
@@ -169,6 +171,12 @@ def local_accelerators() -> list[int]:
     kinds = [libggml.ggml_backend_dev_type(d) for d in devices]
     gpus = [d for d, kind in zip(devices, kinds) if kind == _GPU]
     return gpus or [d for d, kind in zip(devices, kinds) if kind == _IGPU]
+
+
+def devices() -> list[str]:
+    """The devices llama.cpp sees in this process, by name and description (CPU, CUDA0, ...)."""
+    handles = [libggml.ggml_backend_dev_get(i) for i in range(libggml.ggml_backend_dev_count())]
+    return [f"{libggml.ggml_backend_dev_name(d).decode()} ({libggml.ggml_backend_dev_description(d).decode()})" for d in handles]
 
 
 def offloads(gpu_layers: int) -> bool:

@@ -60,8 +60,14 @@ class Manifest:
         self.path.write_text(json.dumps(self.settings, indent=1) + "\n")
 
     def check(self) -> None:
-        """Refuse to continue an output whose manifest records other settings (none yet: fine)."""
+        """Refuse to continue an output whose manifest records other settings, or one that holds
+        something no job wrote (no manifest beside it: `run --json` output, say); a new output is fine."""
         if not self.path.exists():
+            if _holds_something(self.output):
+                raise LlamabatchError(
+                    f"{self.output} is not empty and no llamabatch job wrote it (it has no {self.path.name} beside it): "
+                    "use --overwrite or another output"
+                )
             return
         try:
             recorded = json.loads(self.path.read_text())
@@ -73,6 +79,13 @@ class Manifest:
                 f"{self.output} holds the results of a different job ({', '.join(changed)}): "
                 "resume with the same model, input format and options, or use --overwrite"
             )
+
+
+def _holds_something(output: Path) -> bool:
+    """A non-empty file, or a folder (a Parquet output) with anything in it."""
+    if output.is_dir():
+        return any(output.iterdir())
+    return output.exists() and output.stat().st_size > 0
 
 
 def _differences(recorded: dict, current: dict) -> list[str]:

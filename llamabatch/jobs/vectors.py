@@ -12,18 +12,28 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-from ..errors import LlamabatchError
+from ..errors import ConfigError, LlamabatchError
 
 PART_ROWS = 2048  # rows a part holds: what a kill can cost, and the memory a job holds for them
+
+
+def _arrow():
+    """pyarrow and its Parquet module, imported when a Parquet (or .npy) output is written: the
+    package is an extra (llamabatch[parquet]), which nothing else needs."""
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise ConfigError("Parquet and .npy outputs need pyarrow: pip install 'llamabatch[parquet]'") from None
+    return pyarrow, pyarrow.parquet
 
 
 class ParquetParts:
     """The output sink of an embedding job written as Parquet (the same calls as JsonlLog)."""
 
     def __init__(self, path: Path) -> None:
+        _arrow()  # refused before the job starts, not at its first part
         self.path = path
         self._rows: list[dict] = []
         self._next_part = 0
@@ -35,6 +45,7 @@ class ParquetParts:
         """(id, request digest) of every row already written."""
         if self.path.exists() and not self.path.is_dir():
             raise LlamabatchError(f"{self.path} is a file, not a Parquet output folder: use --overwrite or another output")
+        _, pq = _arrow()
         for part in self._parts():
             table = pq.ParquetFile(part).read(columns=[key, "request_digest"])
             yield from zip(table.column(key).to_pylist(), table.column("request_digest").to_pylist())
@@ -58,6 +69,7 @@ class ParquetParts:
             self._flush()
 
     def _flush(self) -> None:
+        pa, pq = _arrow()
         rows, self._rows = self._rows, []
         vectors = np.asarray([r["embedding"] for r in rows], dtype=np.float32)
         table = pa.table({
@@ -80,6 +92,7 @@ def write_npy(parts: Path, output: Path) -> int:
     """Assemble the rows of a Parquet output folder into `output` (float32, rows in input order)
     and OUTPUT.ids.txt, a part at a time: rows go to the file with positioned writes rather than
     through a memory map, so a million rows do not sit in this process's memory. Returns the rows."""
+    pa, pq = _arrow()
     files = sorted(parts.glob("part-*.parquet"))
     if not files:
         raise LlamabatchError(f"nothing was embedded: {parts} holds no rows")

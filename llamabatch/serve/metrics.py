@@ -47,13 +47,7 @@ class Metrics:
         # Recurrent, hybrid and sliding-window models: the state checkpoints that let a prefix be reused.
         self.checkpoint_bytes = Gauge("llamabatch_checkpoint_bytes", "Host memory held by state checkpoints", m, registry=r)
         self.checkpoints = Gauge("llamabatch_checkpoints", "State checkpoints kept", m, registry=r)
-        self.checkpoint_restores = Gauge(
-            "llamabatch_checkpoint_restores", "Sequences put back to a checkpoint (a reused prefix, rejected drafts)", m, registry=r,
-        )
         self.generated_tokens = Counter("llamabatch_generated_tokens", "Tokens sampled", [*m, "class"], registry=r)
-        # Speculative decoding, read from the engine's counters when scraped.
-        self.drafted = Gauge("llamabatch_draft_tokens", "Speculative tokens verified", m, registry=r)
-        self.accepted = Gauge("llamabatch_draft_tokens_accepted", "Speculative tokens the model agreed with", m, registry=r)
         self.tokens_per_decode = Gauge("llamabatch_tokens_per_decode", "Tokens sampled per llama_decode call", m, registry=r)
         self.active = Histogram(
             "llamabatch_active_sequences_per_decode", "Sequences in each llama_decode call", m,
@@ -67,9 +61,8 @@ class Metrics:
         self.ttft = Histogram(
             "llamabatch_time_to_first_token_seconds", "Submission to first token", [*m, "class"], buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.preempted = Gauge("llamabatch_priority_preemptions", "Sequences preempted for a better priority", m, registry=r)
         self.itl = StepHistogram("llamabatch_inter_token_latency_seconds", "Between a sequence's tokens", _LATENCY_BUCKETS, r)
-        self.adapter_switches = Gauge("llamabatch_adapter_switches", "Steps that changed the LoRA adapter set", m, registry=r)
+        self.registry.register(_EngineCounters(workers))
         self.registry.register(_EngineInfo(workers))
         self.registry.register(_PromptCacheMetrics(workers))
 
@@ -84,10 +77,8 @@ class Metrics:
         self.queued.labels(model, "batch").set_function(lambda: worker.snapshot.waiting["batch"])
         self.batches.labels(model).set_function(lambda: worker.n_batches)
         gauges = {
-            self.kv_cells: "kv_cells", self.drafted: "draft_tokens", self.accepted: "draft_accepted",
-            self.preempted: "priority_preemptions", self.adapter_switches: "adapter_switches",
-            self.checkpoint_bytes: "checkpoint_bytes", self.checkpoints: "checkpoints",
-            self.checkpoint_restores: "checkpoint_restores", self.tokens_per_decode: "tokens_per_decode",
+            self.kv_cells: "kv_cells", self.checkpoint_bytes: "checkpoint_bytes", self.checkpoints: "checkpoints",
+            self.tokens_per_decode: "tokens_per_decode",
         }
         for gauge, field in gauges.items():
             gauge.labels(model).set_function(lambda field=field: getattr(worker.snapshot, field))
@@ -110,7 +101,7 @@ class Metrics:
             self.generated_tokens.labels(model, name).inc(n)
         for name, seconds in report.first_tokens:
             self.ttft.labels(model, name).observe(seconds)
-        self.itl.observe_many(report.gaps)
+        self.itl.observe_many(model, report.gaps)
         for seq in report.finished:
             self.prompt_tokens.labels(model).inc(seq.n_prompt)
             self.cached_tokens.labels(model).inc(seq.n_cached)
@@ -120,30 +111,58 @@ class Metrics:
 
 
 class StepHistogram(Collector):
-    """A Prometheus histogram fed a step's values at once: every token of a step adds an
-    inter-token gap, and one bucket count over them all costs less than an observe() each."""
+    """A Prometheus histogram, labelled by model, fed a step's values at once: every token of a
+    step adds an inter-token gap, and one bucket count over them all costs less than an observe() each."""
 
     def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry) -> None:
         self.name, self.documentation = name, documentation
         self._bounds = np.array(buckets, dtype=np.float64)
-        self._counts = np.zeros(len(buckets) + 1, dtype=np.int64)  # the last: above every bound (+Inf)
-        self._sum = 0.0
+        self._counts: dict[str, np.ndarray] = {}  # per model; the last bucket: above every bound (+Inf)
+        self._sums: dict[str, float] = {}
         self._lock = threading.Lock()  # scrapes read from another thread
         registry.register(self)
 
-    def observe_many(self, values: list[float]) -> None:
+    def observe_many(self, model: str, values: list[float]) -> None:
         if not values:
             return
-        counts = np.bincount(np.searchsorted(self._bounds, values), minlength=len(self._counts))  # value <= bound: that bucket
+        counts = np.bincount(np.searchsorted(self._bounds, values), minlength=len(self._bounds) + 1)  # value <= bound: that bucket
         with self._lock:
-            self._counts += counts
-            self._sum += float(np.sum(values))
+            self._counts[model] = self._counts.get(model, 0) + counts
+            self._sums[model] = self._sums.get(model, 0.0) + float(np.sum(values))
 
     def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model"])
         with self._lock:
-            cumulative, total = np.cumsum(self._counts).tolist(), self._sum
-        buckets = [(floatToGoString(b), c) for b, c in zip(self._bounds.tolist(), cumulative)] + [("+Inf", cumulative[-1])]
-        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=total)
+            taken = {model: (np.cumsum(counts).tolist(), self._sums[model]) for model, counts in self._counts.items()}
+        for model, (cumulative, total) in taken.items():
+            buckets = [(floatToGoString(b), c) for b, c in zip(self._bounds.tolist(), cumulative)] + [("+Inf", cumulative[-1])]
+            family.add_metric([model], buckets, total)
+        yield family
+
+
+class _EngineCounters(Collector):
+    """Each loaded engine's running totals, read from its snapshot when scraped, as counters (so
+    rate() and increase() read them right): drafts verified and kept, priority preemptions, adapter
+    switches, checkpoints put back."""
+
+    COUNTERS = (
+        ("llamabatch_draft_tokens", "Speculative tokens verified", "draft_tokens"),
+        ("llamabatch_draft_tokens_accepted", "Speculative tokens the model agreed with", "draft_accepted"),
+        ("llamabatch_priority_preemptions", "Sequences preempted for a better priority", "priority_preemptions"),
+        ("llamabatch_adapter_switches", "Steps that changed the LoRA adapter set", "adapter_switches"),
+        ("llamabatch_checkpoint_restores", "Sequences put back to a checkpoint (a reused prefix, rejected drafts)", "checkpoint_restores"),
+    )
+
+    def __init__(self, workers: Callable[[], dict[str, EngineWorker]]) -> None:
+        self.workers = workers
+
+    def collect(self):
+        snapshots = {model: worker.snapshot for model, worker in self.workers().items()}
+        for name, documentation, field in self.COUNTERS:
+            family = CounterMetricFamily(name, documentation, labels=["model"])
+            for model, snapshot in snapshots.items():
+                family.add_metric([model], getattr(snapshot, field))
+            yield family
 
 
 class _EngineInfo(Collector):

@@ -76,7 +76,7 @@ class CachedPrompt:
 
 @dataclass
 class TierStats:
-    held: OrderedDict[CachedPrompt, None] = field(default_factory=OrderedDict)  # the tier's entries, least recently used first
+    held: OrderedDict[CachedPrompt, None] = field(default_factory=OrderedDict, repr=False)  # the tier's entries, least recently used first (their states: no repr)
     hits: int = 0  # prompts restored from this tier
     evictions: int = 0  # entries pushed out for room
     bytes: int = 0
