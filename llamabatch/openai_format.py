@@ -17,7 +17,7 @@ from .chat.conversation import Answer
 from .engine import BatchEngine, SamplingParams, Sequence
 from .engine.sampling.constraints import Constraint
 from .engine.native.handles import Vocab
-from .engine.sampling.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED, REPEAT_PENALTY_RANGE
+from .engine.sampling.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED, MIN_REPEAT_PENALTY
 from .errors import ConstraintError, LlamabatchError, SamplingError, UnknownModel
 
 MAX_PRIORITY = 1000  # |priority|: a thousand levels of aging is over 80 minutes
@@ -144,8 +144,8 @@ class SamplingFields(Body):
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     presence_penalty: number(ge=-2, le=2) = 0.0
     frequency_penalty: number(ge=-2, le=2) = 0.0
-    repetition_penalty: number(ge=REPEAT_PENALTY_RANGE[0], le=REPEAT_PENALTY_RANGE[1]) | None = None  # vLLM's name (1 = off)
-    repeat_penalty: number(ge=REPEAT_PENALTY_RANGE[0], le=REPEAT_PENALTY_RANGE[1]) | None = None  # llama-server's name for the same
+    repetition_penalty: number(ge=MIN_REPEAT_PENALTY) | None = None  # vLLM's name (1 = off)
+    repeat_penalty: number(ge=MIN_REPEAT_PENALTY) | None = None  # llama-server's name for the same
     logit_bias: dict[TokenIdKey, number(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)] | None = None
     user: StrictStr | None = None  # the caller's end user, as OpenAI takes it: accepted, not used
     n: integer(ge=1, le=MAX_SAMPLES) = 1

@@ -81,8 +81,9 @@ def test_every_wing_imports_only_what_it_may():
 
 
 def test_nothing_imports_the_cli():
+    """But `python -m llamabatch`, the front door."""
     reaching = [m for m, imported in graph().items()
-                if wing(m) != "llamabatch.cli" and any(wing(t) == "llamabatch.cli" for t in imported)]
+                if wing(m) not in ("llamabatch.cli", "llamabatch.__main__") and any(wing(t) == "llamabatch.cli" for t in imported)]
     assert not reaching
 
 

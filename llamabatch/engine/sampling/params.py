@@ -13,9 +13,10 @@ MAX_SEED = 2**32 - 2  # 2**32 - 1 is llama.cpp's "pick a random seed"
 MAX_SAMPLES = 1024
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
-# repeat_penalty divides a repeated token's positive logit (and multiplies a negative one): past a
-# hundredfold either way it decides alone, and 1e-50 is 0 in float32 (a division by zero).
-REPEAT_PENALTY_RANGE = (0.01, 100.0)
+# repeat_penalty divides a repeated token's positive logit (and multiplies a negative one). Below 1
+# it rewards repeating: below a hundredth that reward decides alone, and 1e-50 is 0 in float32 (a
+# division by zero). Large ones are fine: 1e6 bans repeating.
+MIN_REPEAT_PENALTY = 0.01
 
 CONSTRAINTS = ("json_schema", "grammar", "regex", "choice", "lark")  # SamplingParams' constraint fields
 
@@ -100,9 +101,8 @@ class SamplingParams:
             yield f"top_p must be in (0, 1], got {self.top_p}"
         if not 0 <= self.min_p <= 1:
             yield f"min_p must be in [0, 1], got {self.min_p}"
-        low, high = REPEAT_PENALTY_RANGE
-        if not low <= self.repeat_penalty <= high:
-            yield f"repeat_penalty must be in [{low:g}, {high:g}] (1: off; below 1 rewards repeating), got {self.repeat_penalty:g}"
+        if not self.repeat_penalty >= MIN_REPEAT_PENALTY:
+            yield f"repeat_penalty must be >= {MIN_REPEAT_PENALTY:g} (1: off; below 1 rewards repeating), got {self.repeat_penalty:g}"
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 yield f"{name} must be in [-2, 2], got {getattr(self, name)}"
