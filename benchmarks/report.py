@@ -115,11 +115,12 @@ def write_readme(results: dict[str, list[dict]], path: Path = README) -> None:
     path.write_text(f"{head}{START}\n{front_table(results)}\n{END}{tail}")
 
 
-def write(docs: Path = DOCS, folder: Path = RESULTS) -> list[Path]:
+def write(docs: Path = DOCS, folder: Path = RESULTS, readme: bool = True) -> list[Path]:
+    """docs/results' pages (and plots) from the results files; with `readme`, the README's table."""
     docs.mkdir(parents=True, exist_ok=True)
     written = []
     results = load(folder)
-    if folder == RESULTS:
+    if readme and folder == RESULTS:
         write_readme(results)
     for name, runs in results.items():
         path = docs / f"{name}.md"

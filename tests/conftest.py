@@ -136,7 +136,7 @@ def serve(tiny_model):
     yield start
     for server, _ in servers:
         server.should_exit = True
-    for server, thread in servers:
+    for _, thread in servers:
         thread.join(timeout=10)
         assert not thread.is_alive(), "a server did not stop within 10 s"
 

@@ -26,6 +26,7 @@ GitHub nor the site shows; directives are separated by ";":
 from __future__ import annotations
 
 import gzip
+import html.parser
 import json
 import os
 import re
@@ -292,3 +293,42 @@ def test_page_examples_run(page: Path, tmp_path: Path):
                 runner.run(example)
     finally:
         runner.close()
+
+
+def test_the_built_site_shows_lists_as_lists(tmp_path):
+    """mkdocs builds the site (as CI does) without changing a tracked file, and no paragraph of it
+    holds a list written as text: a list needs a blank line before it, which Markdown readers on
+    GitHub forgive and Python-Markdown does not."""
+    tracked = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                          text=True).stdout == tracked
+
+    class Paragraphs(html.parser.HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.depth, self.text, self.found = 0, [], []
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "p":
+                self.depth, self.text = self.depth + 1, []
+
+        def handle_endtag(self, tag):
+            if tag == "p" and self.depth:
+                self.depth -= 1
+                paragraph = "".join(self.text)
+                if re.search(r"\n- ", paragraph):
+                    self.found.append(paragraph[:120])
+
+        def handle_data(self, data):
+            if self.depth:
+                self.text.append(data)
+
+    run_on = []
+    for page in (tmp_path / "site").rglob("*.html"):
+        parser = Paragraphs()
+        parser.feed(page.read_text())
+        run_on += [f"{page.relative_to(tmp_path / 'site')}: {p!r}" for p in parser.found]
+    assert not run_on, "\n".join(run_on)

@@ -10,7 +10,6 @@ from typing import Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, Field
 from typer.testing import CliRunner
