@@ -16,7 +16,7 @@ from .harness import RESULTS, Report
 BENCHMARKS = [
     "overhead", "sweep", "deterministic", "kv_layout", "samples", "admission", "score", "batch", "embeddings",
     "constraints", "speculative", "speculative_native", "cache_types", "lora", "priority", "serving", "rpc", "ray",
-    "backend_sampling", "lm_eval", "families", "sampling", "tune", "prompt_cache", "models", "stall", "gpu",
+    "backend_sampling", "lm_eval", "families", "sampling", "tune", "prompt_cache", "models", "stall", "store", "gpu",
 ]
 
 

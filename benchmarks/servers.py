@@ -3,6 +3,7 @@ a free loopback port for the length of a `with` block, and the native tools' pat
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -41,13 +42,14 @@ def wait_healthy(base: str, process: subprocess.Popen, timeout: float = 300) -> 
 class Server:
     """A server process on a free loopback port, up (healthy) until the block ends."""
 
-    def __init__(self, command: list[str]) -> None:
+    def __init__(self, command: list[str], env: dict | None = None) -> None:
+        self.env = None if env is None else {**os.environ, **env}
         self.port = free_port()
         self.command = [*command, "--port", str(self.port)]
         self.base = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> Server:
-        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
         try:
             wait_healthy(self.base, self.process)
         except BaseException:
@@ -60,8 +62,8 @@ class Server:
         self.process.wait()
 
 
-def llamabatch_serve(model: str | Path, *args) -> Server:
-    return Server(cli("serve", "-m", model, *args))
+def llamabatch_serve(model: str | Path, *args, env: dict | None = None) -> Server:
+    return Server(cli("serve", "-m", model, *args), env)
 
 
 def llama_server(model: str | Path, *args) -> Server:

@@ -58,12 +58,49 @@ def summary(stats: dict) -> None:
     out.print(table)
 
 
-def progress(total: int) -> Progress:
-    """A progress bar on stderr counting finished prompts; it vanishes when done."""
-    return Progress(
-        TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True, disable=total < 2,
-    )
+class Steps:
+    """A long command's progress on stderr: `label`, what is done of the total, and a status. A
+    bar on a terminal, gone when done; in a log, a plain line every `every_s` seconds (every
+    update with 0), and a last one when the command ran long enough to have printed any."""
+
+    def __init__(self, label: str, total: int | None = None, every_s: float = 10.0) -> None:
+        self.label, self.total, self.every_s = label, total, every_s
+        self.done, self.status = 0, ""
+        self.printed = time.perf_counter()
+        self.lines, self.printed_state = 0, None
+        self.bar = Progress(
+            TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[status]}"),
+            console=err, transient=True,
+        ) if err.is_terminal else None
+
+    def __enter__(self) -> Steps:
+        if self.bar is not None:
+            self.bar.start()
+            self.task = self.bar.add_task(self.label, total=self.total, status="")
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        elif exc_type is None and self.lines and self.printed_state != self._state:
+            self._print()
+
+    def update(self, done: int, total: int | None = None, status: str = "") -> None:
+        """`done` of `total` (the one given before when None); `status` says what was last done."""
+        self.done, self.total, self.status = done, total if total is not None else self.total, status
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, total=self.total, status=status)
+        elif time.perf_counter() - self.printed >= self.every_s:
+            self._print()
+
+    @property
+    def _state(self) -> tuple:
+        return self.done, self.total, self.status
+
+    def _print(self) -> None:
+        of = f"/{self.total}" if self.total is not None else ""
+        err.print(f"{self.label}: {self.done}{of}" + (f" · {self.status}" if self.status else ""), soft_wrap=True)
+        self.printed, self.lines, self.printed_state = time.perf_counter(), self.lines + 1, self._state
 
 
 class BatchProgress:
@@ -354,6 +391,19 @@ def tune_table(tuning, chosen, max_itl_s: float | None, job: tuple[float, float]
     best = (f"the soonest end of the job ({job[0]:.0f} prompt and {job[1]:.0f} new tokens a request, prefill counted)"
             if job else "the highest decode throughput")
     wide.print(f"batch size {chosen.batch_size}: {best}{budget} {measured}")
+
+
+def score_table(scores: list) -> None:
+    """`llamabatch score`: each item's tokens scored, log-likelihood, perplexity and greediness."""
+    table = Table(title="scores", title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("item", "tokens", "log-likelihood", "perplexity", "greedy"):
+        table.add_column(column, justify="left" if column == "greedy" else "right")
+    for s in scores:
+        if s.error is None:
+            table.add_row(str(s.index), str(s.n_tokens), f"{s.logprob:.4f}", f"{s.perplexity:.4g}", "yes" if s.greedy else "no")
+        else:
+            table.add_row(str(s.index), "-", "-", "-", "failed")
+    wide.print(table)
 
 
 def determinism_table(checks: list, deterministic: bool) -> None:

@@ -173,3 +173,37 @@ def test_models_lists_the_catalog_with_metadata(tiny_model, tmp_path):
     assert tiny["quantization"] == "all F32" and tiny["file_bytes"] == tiny_model.stat().st_size
     assert tiny["parameters"] > 0
     assert gone == {"name": "gone", "source": "/nonexistent.gguf", "available": False, "description": ""}
+
+
+def test_a_long_command_prints_plain_progress_lines_outside_a_terminal(capsys):
+    from llamabatch.display import Steps
+
+    with Steps("measuring", every_s=0) as steps:
+        steps.update(1, 3, "B=1")
+        steps.update(3, 3, "B=4")
+    with Steps("quick") as steps:  # done within every_s: silent
+        steps.update(1, 1)
+    assert capsys.readouterr().err.splitlines() == ["measuring: 1/3 · B=1", "measuring: 3/3 · B=4"]
+
+
+def test_score_shows_each_item_then_the_summary(tiny_model, tmp_path):
+    items = tmp_path / "items.jsonl"
+    items.write_text('{"context": "The sky is", "continuation": " blue"}\n{"text": "one two three four five"}\n'
+                     '{"context": "", "continuation": ""}\n')
+    result = invoke("score", items, "-m", tiny_model)
+    assert result.exit_code == 1  # the third item cannot be scored
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["0", "1", "2"] and rows[2][-1] == "failed"
+    assert all(row[-1] in ("yes", "no") and float(row[3]) > 0 for row in rows[:2])  # perplexity
+    assert "perplexity" in result.stdout and "error: item 2:" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "batch", "serve", "tune"])
+def test_help_shows_flags_as_flags_and_reads_at_80_columns(command):
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    verbose = next(line for line in lines if "--verbose" in line)
+    assert "<" not in verbose  # a flag takes no value
+    assert any("--kv-unified / --no-kv-unified" in line for line in lines)

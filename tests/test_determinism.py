@@ -147,6 +147,10 @@ def test_default_model_prompts_past_512_kv_cells_in_a_fresh_process(tmp_path):
     # without fillers the long prompt's solo run takes flash attention's split-KV path: same
     # tokens here, different log-probabilities
     assert done.stdout.count('"logprobs_identical": true') == 8
+    # a line per run on the way: each prompt alone, then each batch size
+    assert [line.split(" · ")[0] for line in done.stderr.splitlines() if line.startswith("verifying: ")] == [
+        f"verifying: {i}/6" for i in range(1, 7)]
+    assert "verifying: 6/6 · --parallel 4: 4/4 identical" in done.stderr
 
 
 @pytest.mark.fresh_process

@@ -15,9 +15,10 @@ import llamabatch
 PACKAGE = Path(llamabatch.__file__).parent
 
 # What each part of the package may import from llamabatch (besides itself).
-LEAVES = {"llamabatch.errors", "llamabatch.catalog"}
+LEAVES = {"llamabatch.errors", "llamabatch.catalog", "llamabatch.durable"}
 ALLOWED = {
     "llamabatch.errors": set(),
+    "llamabatch.durable": set(),
     "llamabatch.catalog": {"llamabatch.errors"},
     "llamabatch.chat": LEAVES,
     "llamabatch.engine": LEAVES | {"llamabatch.chat"},

@@ -5,6 +5,8 @@ compared with the same prompt run cold on a fresh engine."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -12,7 +14,7 @@ import pytest
 
 from llamabatch import BatchEngine
 from llamabatch.engine.sizing.planning import plan_for
-from llamabatch.engine.memory.prompt_cache import SUFFIX
+from llamabatch.engine.memory.prompt_cache import PARTIAL, SUFFIX
 from llamabatch.errors import ConfigError
 
 from test_families import GREEDY, alone, assert_same_runs, drain, engine_on
@@ -107,6 +109,25 @@ def test_foreign_and_unreadable_files_are_removed_when_the_folder_is_read(tiny_m
         assert stats.refused == 2 and stats.disk.entries == 1
     assert sorted(p.name for p in folder.iterdir()) == [kept.name]
     assert "another model" in caplog.text
+
+
+def test_a_partial_file_is_removed_only_when_its_writer_has_ended(tiny_model, tmp_path):
+    """Two processes may share a --cache-dir: one starting leaves the other's write in progress."""
+    with one_slot(tiny_model, cache_dir=tmp_path) as engine:
+        run(engine, [ask(1)])
+        folder = engine.prompt_cache.folder
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as writer:
+        try:
+            alive = folder / f"{'3' * 32}.{writer.pid}{PARTIAL}"
+            dead = folder / f"{'4' * 32}.{ended.stdout.strip()}{PARTIAL}"
+            for path in (alive, dead):
+                path.write_bytes(b"half a state")
+            with one_slot(tiny_model, cache_dir=tmp_path):
+                pass
+            assert alive.exists() and not dead.exists()
+        finally:
+            writer.kill()
 
 
 def test_other_kv_settings_or_another_model_never_see_the_entries(tiny_model, tmp_path):

@@ -47,6 +47,11 @@ def test_tune_takes_a_job_files_prompts(tiny_model, tmp_path):
     done = invoke("tune", "-m", tiny_model, "--threads", 2, "--max-batch", 4, "--job", job, "--again", "--json")
     assert done.exit_code == 0, done.output
     result = json.loads(done.stdout.splitlines()[-1])
+    # its progress, a plain line per size measured (the ladder 1, 2, 4)
+    progress = [line for line in done.stderr.splitlines() if line.startswith("measuring batch sizes: ")]
+    sizes = [p["batch_size"] for p in result["points"]]
+    assert [line.split(" · ")[0] for line in progress] == [f"measuring batch sizes: {i}/3" for i in range(1, len(sizes) + 1)]
+    assert all(f"B={b}: " in line for b, line in zip(sizes, progress))
     from llamabatch import BatchEngine
 
     with BatchEngine(tiny_model, n_parallel=1, n_ctx=256, n_threads=2) as engine:

@@ -10,7 +10,7 @@ import typer
 from . import generate, jobs, measure, serving
 
 app = typer.Typer(
-    no_args_is_help=True, pretty_exceptions_enable=False,
+    no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
     help="True batched inference for llama.cpp: many sequences, one llama_decode per step.",
 )
 

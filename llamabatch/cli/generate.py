@@ -114,10 +114,13 @@ def _drive(engine: BatchEngine, sequences: list[Sequence], live: bool) -> None:
             while engine.has_work:
                 view.update(engine.step())
         return
-    with display.progress(len(sequences)) as bar:
-        task = bar.add_task("generate", total=len(sequences), completed=sum(s.finish_reason is not None for s in sequences))
+    done = sum(s.finish_reason is not None for s in sequences)
+    with display.Steps("generating", len(sequences)) as steps:
         while engine.has_work:
-            bar.advance(task, sum(e.finish_reason is not None for e in engine.step()))
+            finished = sum(e.finish_reason is not None for e in engine.step())
+            if finished:
+                done += finished
+                steps.update(done)
 
 
 def _report(results: list[Result], stats: dict, json_out: bool, streamed: bool) -> None:
@@ -182,7 +185,8 @@ def score(
     scored = [text.read_text(errors="replace")] if text is not None else read_score_items(items)
     with BatchEngine(**EngineOptions.of(context.params).engine_kwargs(n_sequences=len(scored))) as engine:
         started = time.perf_counter()
-        scores = engine.score(scored, bos=bos, chunk=chunk)
+        with display.Steps("scoring") as steps:
+            scores = engine.score(scored, bos=bos, chunk=chunk, progress=steps.update)
         wall = time.perf_counter() - started
         evaluated = engine.stats.prompt_tokens_evaluated
     n_tokens = sum(s.n_tokens for s in scores)
@@ -198,6 +202,7 @@ def score(
             display.json_line({k: v for k, v in s.to_dict().items() if v is not None or k != "error"})
         display.json_line({"summary": summary})
     else:
+        display.score_table(scores)
         for s in scores:
             if s.error:
                 display.error_line(f"item {s.index}: {s.error}")

@@ -203,7 +203,8 @@ def tune(
         prompt_tokens = max(1, round(shape[0]))
     if max_batch is None:
         max_batch = options.memory_plan(ctx_per_seq=tuning.cells_per_sequence(prompt_tokens)).n_parallel
-    found = options.tuning(max_batch, say=display.note, again=again, prompt_tokens=prompt_tokens)
+    with display.Steps("measuring batch sizes", every_s=0) as steps:
+        found = options.tuning(max_batch, say=display.note, again=again, prompt_tokens=prompt_tokens, progress=steps.update)
     itl = options.max_itl_s
     chosen = found.choose(itl, job=shape)
     if json_out:
@@ -247,10 +248,11 @@ def verify_determinism(
     if prompts is not None and not prompts.is_file():
         raise LlamabatchError(f"prompts file not found: {prompts}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
-    checks = verify(
-        read_prompts(prompts), list(int_list(batch_sizes, "--batch-sizes")), params, deterministic=deterministic,
-        ctx_per_seq=ctx_per_seq, model=model, catalog=config, n_threads=threads, verbose=verbose,
-    )
+    with display.Steps("verifying", every_s=0) as steps:
+        checks = verify(
+            read_prompts(prompts), list(int_list(batch_sizes, "--batch-sizes")), params, deterministic=deterministic,
+            ctx_per_seq=ctx_per_seq, progress=steps.update, model=model, catalog=config, n_threads=threads, verbose=verbose,
+        )
     if json_out:
         for check in checks:
             display.json_line(asdict(check))

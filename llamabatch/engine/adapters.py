@@ -61,13 +61,13 @@ class AdapterInfo:
 def chosen_adapters(declared: Iterable[AdapterSpec], lora: Iterable[str]) -> list[tuple[AdapterSpec, bool]]:
     """The adapters an engine loads, in id order, each with whether it is applied by default:
     the --lora ones (a catalog name or a path, at the scale given) first, then the catalog's."""
-    declared = {spec.name: spec for spec in declared}
+    by_name = {spec.name: spec for spec in declared}
     chosen: list[tuple[AdapterSpec, bool]] = []
     for text in lora:
         source, scale = parse_lora(text)
-        spec = declared.pop(source, None) or AdapterSpec(Path(source).stem, Path(source).expanduser())
+        spec = by_name.pop(source, None) or AdapterSpec(Path(source).stem, Path(source).expanduser())
         chosen.append((AdapterSpec(spec.name, spec.path, scale), True))
-    chosen += [(spec, False) for spec in declared.values()]
+    chosen += [(spec, False) for spec in by_name.values()]
     names = [spec.name for spec, _ in chosen]
     if len(set(names)) < len(names):
         raise ConfigError(f"two LoRA adapters share a name: {sorted(n for n in names if names.count(n) > 1)}")

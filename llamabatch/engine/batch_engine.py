@@ -4,7 +4,7 @@ convenience APIs (generate, score, stream, embed, rerank) built on them."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -187,12 +187,13 @@ class BatchEngine:
             pass
         return [seq.result() for seq in sequences]
 
-    def score(self, items: Iterable[str | tuple[str, str]], *, bos: bool = True, chunk: int | None = None) -> list[Score]:
+    def score(self, items: Iterable[str | tuple[str, str]], *, bos: bool = True, chunk: int | None = None,
+              progress: Callable[[int, int], None] | None = None) -> list[Score]:
         """Log-probabilities of texts (every token after the first) or of continuations after
         their contexts, many per llama_decode, with logits only at the scored positions.
         With chunk, a text is cut into chunk-token windows, each starting with BOS and scored on
         its second half, as llama.cpp's llama-perplexity does. Results in input order; an item
-        that cannot be scored fails alone."""
+        that cannot be scored fails alone. `progress` hears the windows scored of all, as they end."""
         params = SamplingParams(max_tokens=0, temperature=0)
         sequences: dict[int, list[Sequence]] = {}
         errors: dict[int, str] = {}
@@ -204,8 +205,11 @@ class BatchEngine:
                 for seq in sequences.pop(index, []):
                     self.cancel(seq)
                 errors[index] = str(e)
-        for _ in self.run():
-            pass
+        total, done = sum(map(len, sequences.values())), 0
+        for e in self.run():
+            if e.finish_reason is not None and progress is not None:
+                done += 1
+                progress(done, total)
         return [
             Score(i, 0.0, 0, False, errors[i]) if i in errors else total_score(i, sequences[i])
             for i in range(len(sequences) + len(errors))

@@ -52,9 +52,11 @@ class Runtime:
             self.memory = Memory(self.ctx, self.model, cfg.checkpoint_memory if cfg.share_prefixes else 0)
             self.chat = self._chat(spec.chat_template)  # a --chat-template refused frees what was loaded
             self.speculator = Speculator.for_config(cfg, self.model.vocab, self.ctx.n_ctx, draft_path)
-            undo.callback(lambda: self.speculator and self.speculator.close())
+            if self.speculator is not None:
+                undo.callback(self.speculator.close)
             self.prompt_cache = self._prompt_cache(path)
-            undo.callback(lambda: self.prompt_cache and self.prompt_cache.close())
+            if self.prompt_cache is not None:
+                undo.callback(self.prompt_cache.close)
             self.batch = Batch(self.ctx.n_batch)
             undo.pop_all()  # loaded: close() frees them from now on
         self.vocab = self.model.vocab

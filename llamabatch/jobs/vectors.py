@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import durable
 from ..errors import ConfigError, LlamabatchError
 
 PART_ROWS = 2048  # rows a part holds: what a kill can cost, and the memory a job holds for them
@@ -84,7 +85,7 @@ class ParquetParts:
         pq.write_table(table, temporary)
         with temporary.open("rb") as f:
             os.fsync(f.fileno())
-        os.replace(temporary, final)
+        durable.replace(temporary, final)
         self._next_part += 1
 
 

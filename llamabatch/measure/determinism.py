@@ -8,6 +8,7 @@ rounding without flipping a token yet shows there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,10 +41,13 @@ class Check:
 
 def verify(
     prompts: list[str], parallels: list[int], params: SamplingParams, *, deterministic: bool = True,
-    ctx_per_seq: int = 1024, **engine,
+    ctx_per_seq: int = 1024, progress: Callable[[int, int, str], None] | None = None, **engine,
 ) -> list[Check]:
     """Compare each prompt's output alone against its output in batches of each size; every
-    engine gives a sequence the same ctx_per_seq cells."""
+    engine gives a sequence the same ctx_per_seq cells. `progress` hears the runs done of all
+    (each prompt alone, then each batch size), and what the last one was."""
+    say = progress or (lambda done, total, status: None)
+    runs = len(prompts) + len(parallels)
     params = replace(params, logprobs=0)
     with BatchEngine(n_parallel=1, n_ctx=ctx_per_seq, deterministic=deterministic, **engine) as solo:
         lengths = [len(solo.tokenize_prompt(p)) for p in prompts]
@@ -53,13 +57,18 @@ def verify(
                 f"prompt {longest + 1} is {lengths[longest]} tokens: with --max-tokens {params.max_tokens} it needs "
                 f"{lengths[longest] + params.max_tokens} KV cells, more than --ctx-per-seq {ctx_per_seq}: raise --ctx-per-seq"
             )
-        alone = [_outputs(solo.submit([p], params), solo)[0] for p in prompts]
+        alone = []
+        for i, prompt in enumerate(prompts):
+            alone.append(_outputs(solo.submit([prompt], params), solo)[0])
+            say(i + 1, runs, f"prompt {i} alone")
     checks = []
-    for parallel in parallels:
+    for n, parallel in enumerate(parallels, 1):
         with BatchEngine(n_parallel=parallel, n_ctx=parallel * ctx_per_seq, deterministic=deterministic, **engine) as batch:
             together = _outputs(_staggered(batch, prompts, params), batch)
         for i, ((a, a_logprobs), (b, b_logprobs)) in enumerate(zip(alone, together)):
             checks.append(Check(i, lengths[i], parallel, a == b, _first_difference(a, b), a_logprobs == b_logprobs))
+        identical = sum(c.identical for c in checks if c.parallel == parallel)
+        say(len(prompts) + n, runs, f"--parallel {parallel}: {identical}/{len(prompts)} identical")
     return checks
 
 

@@ -143,37 +143,37 @@ def batch_routes(store: Store, serving: Serving, authorized: Callable, errors: C
         except HTTPException:
             path.unlink(missing_ok=True)
             raise
-        return store.add_file(file_id, form.filename, "batch", path).to_openai()
+        return (await _found(lambda: store.add_file(file_id, form.filename, "batch", path))).to_openai()
 
     @router.get("/v1/files", response_model=FileList, responses=errors(400, 401))
     async def list_files(purpose: str | None = None, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
                          order: Literal["asc", "desc"] = "desc") -> dict:
-        files, more = _found(lambda: store.files(purpose, limit, after, order == "asc"))
+        files, more = await _found(lambda: store.files(purpose, limit, after, order == "asc"))
         return page([f.to_openai() for f in files], more)
 
     @router.get("/v1/files/{file_id}", response_model=FileObject, responses=errors(401, 404))
     async def get_file(file_id: str) -> dict:
-        return _found(lambda: store.file(file_id)).to_openai()
+        return (await _found(lambda: store.file(file_id))).to_openai()
 
     @router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=errors(400, 401, 404))
     async def delete_file(file_id: str) -> dict:
-        _found(lambda: store.delete_file(file_id))
+        await _found(lambda: store.delete_file(file_id))
         return {"id": file_id, "object": "file", "deleted": True}
 
     @router.get("/v1/files/{file_id}/content", response_class=FileResponse, responses={
         200: {"content": {"application/octet-stream": {}}, "description": "The file's bytes"}, **errors(401, 404)})
     async def file_content(file_id: str):
-        stored = _found(lambda: store.file(file_id))
+        stored = await _found(lambda: store.file(file_id))
         return FileResponse(stored.path, media_type="application/octet-stream", filename=stored.filename)
 
     @router.post("/v1/batches", response_model=BatchObject, responses=errors(400, 401, 404, 503))
     async def create_batch(body: BatchCreate) -> dict:
-        source = _found(lambda: store.file(body.input_file_id))
+        source = await _found(lambda: store.file(body.input_file_id))
         if source.purpose != "batch":
             raise HTTPException(400, f"file {source.id} has purpose {source.purpose!r}: a batch reads a file of purpose 'batch'")
         served = await serving.acquire(await asyncio.to_thread(_first_model, source.path))  # loaded, and held until the run is queued
         try:
-            row = store.add_batch(source.id, body.endpoint, body.metadata)
+            row = await _found(lambda: store.add_batch(source.id, body.endpoint, body.metadata))
         except BaseException:
             serving.models.release(served)
             raise
@@ -182,18 +182,19 @@ def batch_routes(store: Store, serving: Serving, authorized: Callable, errors: C
 
     @router.get("/v1/batches/{batch_id}", response_model=BatchObject, responses=errors(401, 404))
     async def get_batch(batch_id: str) -> dict:
-        row = _found(lambda: store.batch(batch_id))
-        return batch_object(row, model(row))
+        row = await _found(lambda: store.batch(batch_id))
+        return batch_object(row, await asyncio.to_thread(model, row))
 
     @router.get("/v1/batches", response_model=BatchList, responses=errors(400, 401))
     async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict:
-        rows, more = _found(lambda: store.batches(limit, after))
-        return page([batch_object(r, model(r)) for r in rows], more)
+        rows, more = await _found(lambda: store.batches(limit, after))
+        names = await asyncio.to_thread(lambda: [model(r) for r in rows])
+        return page([batch_object(r, name) for r, name in zip(rows, names)], more)
 
     @router.post("/v1/batches/{batch_id}/cancel", response_model=BatchObject, responses=errors(400, 401, 404))
     async def cancel_batch(batch_id: str) -> dict:
-        row = _found(lambda: store.cancel_batch(batch_id))
-        name = model(row)
+        row = await _found(lambda: store.cancel_batch(batch_id))
+        name = await asyncio.to_thread(model, row)
         served = serving.models.models.get(name)
         if served is not None and served.worker is not None:  # (a model not loaded runs none of its batches)
             served.worker.cancel_batch(batch_id)
@@ -226,7 +227,7 @@ async def resume_batches(store: Store, serving: Serving) -> None:
     for it); one whose model cannot load stays unfinished, for the next start."""
     for row in await asyncio.to_thread(store.unfinished_batches):
         try:
-            served = await serving.models.acquire(batch_model(store, serving.models, row))
+            served = await serving.models.acquire(await asyncio.to_thread(batch_model, store, serving.models, row))
         except LlamabatchError:
             continue
         await _start_held(store, serving, served, row)
@@ -256,10 +257,11 @@ def _first_model(path: Path) -> str | None:
         return None
 
 
-def _found(call: Callable):
-    """The call's answer; 404 for an unknown id, 400 for a refusal."""
+async def _found(call: Callable):
+    """The store call's answer, made on a worker thread (a commit's fsync would stall every stream
+    on the event loop); 404 for an unknown id, 400 for a refusal."""
     with refusals():
-        return call()
+        return await asyncio.to_thread(call)
 
 
 class _Form:

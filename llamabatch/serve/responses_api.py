@@ -300,12 +300,12 @@ def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int
 
     @router.get("/v1/responses/{response_id}", responses=errors(401, 404))
     async def get(response_id: str) -> dict:
-        return _stored(store, response_id)[0]
+        return (await asyncio.to_thread(_stored, store, response_id))[0]
 
     @router.delete("/v1/responses/{response_id}", responses=errors(401, 404))
     async def delete(response_id: str) -> dict:
-        _stored(store, response_id)
-        store.delete_response(response_id)
+        await asyncio.to_thread(_stored, store, response_id)
+        await asyncio.to_thread(store.delete_response, response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     return router

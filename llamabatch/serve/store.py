@@ -31,6 +31,10 @@ UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 _UNFINISHED_SQL = f"status IN ({', '.join(repr(status) for status in UNFINISHED)})"
 COMPLETION_WINDOW_S = 24 * 3600  # "24h", the only window OpenAI offers
 
+# The store's layout, in the database's user_version. MIGRATIONS[n] brings a store of version n to
+# n + 1; a store written before versions were kept reads as 0, and the first migration (CREATE ... IF
+# NOT EXISTS) makes an empty folder's tables or accepts theirs, which are the same. A change to the
+# layout appends a migration; a store newer than this code is refused rather than misread.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, filename TEXT NOT NULL, purpose TEXT NOT NULL, bytes INTEGER NOT NULL,
@@ -48,6 +52,8 @@ CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, body TEXT NOT NULL, conversation TEXT NOT NULL
 );
 """
+MIGRATIONS = (_SCHEMA,)
+SCHEMA_VERSION = len(MIGRATIONS)
 _FILE_FIELDS = ("id", "filename", "purpose", "bytes", "created_at", "path")
 _TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at")
 
@@ -99,11 +105,23 @@ class Store:
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # a commit survives a power cut, not only a kill
-        self._db.executescript(_SCHEMA)
+        self._migrate()
         self._mutex = threading.Lock()
         self._writes: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_in_order, name="llamabatch-store", daemon=True)
         self._writer.start()
+
+    def _migrate(self) -> None:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            self._db.close()
+            self._lock_file.close()
+            raise LlamabatchError(f"the data directory {self.root} was written by a newer llamabatch (store version {version}, "
+                                  f"this one reads up to {SCHEMA_VERSION}): upgrade, or use another --data-dir")
+        for step in range(version, SCHEMA_VERSION):
+            # One transaction a step (executescript commits what is pending first): a crash
+            # mid-migration leaves the store at the last version it fully reached.
+            self._db.executescript(f"BEGIN; {MIGRATIONS[step]} PRAGMA user_version = {step + 1}; COMMIT;")
 
     def later(self, write: Callable[[], object]) -> None:
         """Run `write` (a call of this store's) on the writer thread, after those handed in before."""

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import llama_cpp
 
+from ... import durable
 from ...catalog import model_fingerprint
 from ...errors import ConfigError
 from ..adapters import AdapterSet
@@ -48,6 +49,7 @@ log = logging.getLogger("llamabatch.prompt_cache")
 MIN_TOKENS = 64
 MAGIC = b"LLAMABATCH-PROMPT-1\n"
 SUFFIX = ".prompt"
+PARTIAL = ".partial"
 
 
 @dataclass(eq=False)
@@ -241,7 +243,8 @@ class PromptCache:
         found = []  # (last used, entry)
         for path in self.folder.iterdir():
             if path.suffix != SUFFIX:
-                path.unlink(missing_ok=True)  # a write a previous process did not finish
+                if not _being_written(path):
+                    path.unlink(missing_ok=True)  # a write a process that ended did not finish
                 continue
             try:
                 entry = _read_header(path, self.fingerprint)
@@ -275,13 +278,20 @@ def _write(path: Path, fingerprint: str, entry: CachedPrompt, state: bytes, chec
         "state": len(state), "checkpoints": [[cp.n_tokens, len(cp.data)] for cp in checkpoints],
         "blake2b": body.hexdigest(),
     }).encode()
-    partial = path.with_suffix(".partial")
+    partial = path.with_name(f"{path.stem}.{os.getpid()}{PARTIAL}")  # the writer's pid: another process sharing the folder leaves it be
     with open(partial, "wb") as f:
         f.write(MAGIC + struct.pack("<I", len(header)) + header)
         f.write(state)
         for cp in checkpoints:
             f.write(cp.data)
-    os.replace(partial, path)  # a reader sees the whole file or none
+    durable.replace(partial, path)  # a reader sees the whole file or none
+
+
+def _being_written(path: Path) -> bool:
+    """Whether `path` is a partial file a running process (this one or another sharing the
+    folder) is writing: KEY.PID.partial."""
+    pid = path.suffixes[-2][1:] if path.suffix == PARTIAL and len(path.suffixes) >= 2 else ""
+    return pid.isdigit() and durable.writer_alive(int(pid))
 
 
 def _unlink(path: Path) -> None:

@@ -59,7 +59,8 @@ class _LogRouter:
     @contextmanager
     def capture(self) -> Iterator[list[str]]:
         """Collect the log while the block runs; the list holds its lines afterwards."""
-        self.captured = chunks = []
+        chunks: list[str] = []
+        self.captured = chunks
         lines: list[str] = []
         try:
             yield lines

@@ -25,12 +25,16 @@ import numpy as np
 
 
 class Truncation(Protocol):
-    """The sampling fields truncation reads (SamplingParams has them)."""
+    """The sampling fields truncation reads (SamplingParams has them, frozen)."""
 
-    top_k: int
-    top_p: float
-    min_p: float
-    temperature: float
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def temperature(self) -> float: ...
 
 # Widening thresholds (nats below the best logit) within which a truncation looks for its tokens
 # before looking at all of them: a comparison over the vocabulary is cheap, its sort is not.

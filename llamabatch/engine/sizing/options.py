@@ -94,10 +94,10 @@ class EngineOptions:
         return dict({k: v for k, v in settings.items() if k in CONFIG_FIELDS}, model=self.model, catalog=self.config)
 
     def tuning(self, max_batch: int | None = None, say=None, again: bool = False,
-               prompt_tokens: int = tuning.PROMPT_TOKENS) -> tuning.Tuning:
+               prompt_tokens: int = tuning.PROMPT_TOKENS, progress=None) -> tuning.Tuning:
         """The stored batch-size measurement for this model and these settings on this machine,
         or (when there is none, or `again`) a new one of up to max_batch slots, stored for next
-        time. `say` hears why it measures."""
+        time. `say` hears why it measures, `progress` how far it is (tuning.tune's)."""
         found = None if again else self.stored_tuning()
         if found is not None:
             return found
@@ -106,7 +106,7 @@ class EngineOptions:
             say(f"no batch size measured for {spec.name} with these settings on this machine: measuring it (llamabatch tune)")
         n = min(max_batch or tuning.MAX_BATCH, tuning.MAX_BATCH)
         with BatchEngine(**self._settings(), n_parallel=n, n_ctx=n * tuning.cells_per_sequence(prompt_tokens)) as engine:
-            measured = tuning.tune(engine, spec.gguf_path(), n, prompt_tokens=prompt_tokens)
+            measured = tuning.tune(engine, spec.gguf_path(), n, prompt_tokens=prompt_tokens, progress=progress)
         tuning.save(measured)
         return measured
 

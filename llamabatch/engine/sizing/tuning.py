@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -153,18 +154,23 @@ def measure(engine, batch_size: int, prompt_tokens: int = PROMPT_TOKENS, gen_tok
                      float(np.percentile(steps, 50)), float(np.percentile(steps, 95)))
 
 
-def tune(engine, model_path: Path, max_batch: int, *, prompt_tokens: int = PROMPT_TOKENS, gen_tokens: int = GEN_TOKENS) -> Tuning:
+def tune(engine, model_path: Path, max_batch: int, *, prompt_tokens: int = PROMPT_TOKENS, gen_tokens: int = GEN_TOKENS,
+         progress: Callable[[int, int, str], None] | None = None) -> Tuning:
     """Measure growing batch sizes on an engine with max_batch slots, until throughput stops
-    rising. The whole curve is stored, so one measurement serves every latency budget."""
+    rising. The whole curve is stored, so one measurement serves every latency budget.
+    `progress` hears the sizes measured of those on the ladder, and the last one's figures."""
     started = time.perf_counter()
     measure(engine, min(max_batch, 4), prompt_tokens, 4, seed=99)  # warm-up: first allocations, page faults
     points: list[TunePoint] = []
-    for b in ladder(max_batch):
+    sizes = ladder(max_batch)
+    for b in sizes:
         point = measure(engine, b, prompt_tokens, gen_tokens)
         best = max((p.s_tg for p in points), default=0.0)
         if point.s_tg < best * MIN_GAIN:  # before stopping on it, rule out a burst of load on the host
             point = max(point, measure(engine, b, prompt_tokens, gen_tokens, seed=1), key=lambda p: p.s_tg)
         points.append(point)
+        if progress is not None:
+            progress(len(points), len(sizes), f"B={b}: {point.s_tg:,.0f} tok/s, p95 {point.itl_p95_s * 1000:.0f} ms between tokens")
         if point.s_tg < best * MIN_GAIN:
             break
     settings = settings_of(engine.config, model_path)

@@ -71,7 +71,7 @@ class DraftPlanner:
         self.acceptance = PRIOR_ACCEPTANCE  # over all sequences: where a new one starts
         # (batch-size bucket, drafting) -> its steps' tokens, seconds (setup left out), count and
         # seconds (all), older steps weighing less
-        self.totals: dict[tuple[int, bool], tuple[float, float, float, float]] = {}
+        self.totals: dict[tuple[int, bool], tuple[float, ...]] = {}
         self.tries: dict[tuple[int, bool], int] = {}
         self.rng = np.random.default_rng(seed)
         self.chosen: tuple[int, bool] | None = None  # the arm of the step under way
