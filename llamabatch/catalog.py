@@ -48,6 +48,7 @@ class ModelSpec:
     adapters: tuple[AdapterSpec, ...] = ()  # LoRA adapters made for this model
     rpc: tuple[str, ...] | str = ()  # rpc-server endpoints (HOST:PORT) holding layers of it
     tensor_split: tuple[float, ...] | str = ()  # each device's share of the offloaded layers
+    mmproj: Path | None = None  # its multimodal projector GGUF (images in prompts)
 
     @property
     def source(self) -> str:
@@ -129,8 +130,9 @@ def _spec(name: str, entry: dict, base: Path | None) -> ModelSpec:
         raise ModelError(f"model {name!r} in catalog: unknown keys {sorted(unknown)}")
     if ("path" in entry) == ("package" in entry):
         raise ModelError(f"model {name!r} in catalog: give exactly one of 'path' or 'package'")
-    if "path" in entry:
-        entry = {**entry, "path": _relative_to(base, entry["path"])}
+    for key in ("path", "mmproj"):
+        if key in entry:
+            entry = {**entry, key: _relative_to(base, entry[key])}
     if "adapters" in entry:
         entry = {**entry, "adapters": _adapters(name, entry["adapters"], base)}
     return ModelSpec(name=name, **entry)

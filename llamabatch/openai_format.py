@@ -4,6 +4,8 @@ sequences. One place, so a batch job's output body is exactly what the server an
 
 from __future__ import annotations
 
+import base64
+import binascii
 import secrets
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
@@ -14,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from .chat import Tools
 from .chat.conversation import Answer
-from .engine import BatchEngine, SamplingParams, Sequence
+from .engine import IMAGE_MARKER, BatchEngine, ImagePrompt, SamplingParams, Sequence
 from .engine.sampling.constraints import Constraint
 from .engine.native.handles import Vocab
 from .engine.sampling.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED, MIN_REPEAT_PENALTY
@@ -275,6 +277,32 @@ class TextPart(Body):
     text: Text
 
 
+class ImageURL(Body):
+    url: StrictStr  # a data: URL (base64); remote images are not fetched
+    detail: Literal["auto", "low", "high"] | None = None  # the projector decides an image's positions
+
+    @field_validator("url")
+    @classmethod
+    def _inline(cls, url: str) -> str:
+        if not url.startswith("data:"):
+            raise ValueError("remote image URLs are not fetched: send the image in a data: URL (data:image/png;base64,...)")
+        head, _, data = url.partition(",")
+        try:
+            if not head.endswith(";base64") or not base64.b64decode(data, validate=True):
+                raise binascii.Error
+        except binascii.Error:
+            raise ValueError("an image's data: URL must hold base64 data (data:image/png;base64,...)") from None
+        return url
+
+    def data(self) -> bytes:
+        return base64.b64decode(self.url.partition(",")[2])
+
+
+class ImagePart(Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(Body):
     name: NonEmptyStr
     arguments: StrictStr  # JSON text, as the model wrote it
@@ -290,7 +318,7 @@ class ToolCallIn(Body):
 
 class ChatMessage(Body):
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: Text | list[TextPart] | None = None  # None: an assistant turn that only called tools
+    content: Text | list[TextPart | ImagePart] | None = None  # None: an assistant turn that only called tools
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None  # a tool message: the call it answers
     tool_calls: list[ToolCallIn] | None = None
@@ -303,10 +331,15 @@ class ChatMessage(Body):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content):
+    def _known_parts_only(cls, content):
         for i, part in enumerate(content if isinstance(content, list) else ()):
-            if isinstance(part, dict) and part.get("type") != "text":
-                raise ValueError(f"content part {i} is of type {part.get('type')!r}: only text parts are supported")
+            if isinstance(part, dict) and part.get("type") not in ("text", "image_url"):
+                raise ValueError(f"content part {i} is of type {part.get('type')!r}: only text and image_url parts are supported")
+            if isinstance(part, dict) and part.get("type") == "image_url":  # its own complaint, not the text branch's
+                try:
+                    ImagePart.model_validate(part)
+                except ValidationError as e:
+                    raise ValueError(f"content part {i}: {validation_message(e)}") from None
         return content
 
     @model_validator(mode="after")
@@ -317,9 +350,16 @@ class ChatMessage(Body):
             raise ValueError(f"tool_calls belong to assistant messages, not {self.role} ones")
         return self
 
+    @property
+    def images(self) -> list[bytes]:
+        """Its images, in order (each shown in the rendered text by IMAGE_MARKER)."""
+        return [p.image_url.data() for p in self.content if isinstance(p, ImagePart)] if isinstance(self.content, list) else []
+
     def rendered(self) -> dict:
-        """The message as chat templates read it: text parts joined, developer read as system."""
-        text = self.content if isinstance(self.content, str) or self.content is None else "\n".join(p.text for p in self.content)
+        """The message as chat templates read it: parts joined (an image as IMAGE_MARKER, where
+        the projector reads it in), developer read as system."""
+        text = self.content if isinstance(self.content, str) or self.content is None else \
+            "\n".join(p.text if isinstance(p, TextPart) else IMAGE_MARKER for p in self.content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
         if self.tool_calls:
             message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
@@ -427,7 +467,7 @@ def refusal_status(error: LlamabatchError) -> int:
 class EngineInputs:
     """What the engine runs for a request body, and how a chat answer is read back."""
 
-    prompts: list[str | list[int]]
+    prompts: list[str | list[int] | ImagePrompt]
     params: SamplingParams
     answer: Answer | None = None  # chat: tool calls and reasoning to parse out of the text
 
@@ -445,6 +485,9 @@ def engine_inputs(body: SamplingFields, engine: BatchEngine, reasoning_budget: i
         budget = reasoning_budget if body.reasoning_budget is None else body.reasoning_budget
         prompt = engine.chat_prompt([m.rendered() for m in body.messages], tools, body.chat_template_kwargs, budget)
         params = replace(params, lark=prompt.lark, thinking_budget=prompt.thinking_budget)
+        images = tuple(image for m in body.messages for image in m.images)
+        if images:  # the projector reads the rendered text with them
+            return EngineInputs([ImagePrompt(prompt.text, images, templated=True)], params, prompt.answer)
         return EngineInputs([prompt.tokens], params, prompt.answer)  # ids: an engine with --chat must not template it again
     if isinstance(body, CompletionRequest):
         return EngineInputs(body.prompts(), params)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own reference tools (llama-batched-bench, llama-server, llama-perplexity,
-# llama-lookup, llama-speculative, llama-embedding, ggml-rpc-server) from the llama.cpp sources
+# llama-lookup, llama-speculative, llama-embedding, ggml-rpc-server, llama-mtmd-cli) from the llama.cpp sources
 # vendored in the sdist of the installed llama-cpp-python: the same llama.cpp version as the
 # binding, so native and llamabatch figures compare fairly. Always with the RPC backend (--rpc).
 #
@@ -14,7 +14,7 @@ set -euo pipefail
 
 version=$(python -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))")
 dest=${LLAMABATCH_NATIVE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/llamabatch/native/$version}
-tools=(llama-batched-bench llama-server llama-perplexity llama-lookup llama-speculative llama-embedding ggml-rpc-server)
+tools=(llama-batched-bench llama-server llama-perplexity llama-lookup llama-speculative llama-embedding ggml-rpc-server llama-mtmd-cli)
 flags="-DGGML_RPC=ON ${CMAKE_ARGS:-}"
 
 # Binaries built with other flags (before RPC was on, or for another device) are all rebuilt.

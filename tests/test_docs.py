@@ -41,8 +41,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 
-from tiny_model import write_tiny_lora, write_tiny_model
+from tiny_model import write_tiny_lora, write_tiny_model, write_tiny_projector
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "guides").glob("*.md"))]
@@ -147,6 +148,8 @@ def write_files(work: Path) -> None:
     write_tiny_model(work / "tiny.gguf", n_ctx_train=8192)
     write_tiny_model(work / "small.gguf", n_ctx_train=8192, seed=3)  # a draft model: the same vocabulary
     write_tiny_model(work / "my-reranker.gguf", rank_head=True)
+    write_tiny_projector(work / "mmproj.gguf")
+    Image.new("RGB", (48, 32), (30, 120, 200)).save(work / "photo.jpg")
     for name in ("house-style", "terse", "a", "b"):
         write_tiny_lora(work / f"{name}.gguf")
     (work / "models.toml").write_text(

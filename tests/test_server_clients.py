@@ -77,7 +77,13 @@ def test_chat_content_parts_roles_and_max_completion_tokens(client, base):
     image = httpx.post(f"{base}/v1/chat/completions", timeout=10, json={"messages": [{"role": "user", "content": [
         {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
     assert image.status_code == 400
-    assert "content part 1 is of type 'image_url': only text parts are supported" in image.json()["error"]["message"]
+    assert "content part 1: image_url.url: remote image URLs are not fetched" in image.json()["error"]["message"]
+    inline = httpx.post(f"{base}/v1/chat/completions", timeout=10, json={"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]})
+    assert inline.status_code == 400 and "images need --mmproj" in inline.json()["error"]["message"]  # a model without a projector
+    audio = httpx.post(f"{base}/v1/chat/completions", timeout=10, json={"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]})
+    assert audio.status_code == 400 and "only text and image_url parts are supported" in audio.json()["error"]["message"]
     wizard = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}]}, timeout=10)
     assert wizard.status_code == 400 and "messages.0.role" in wizard.json()["error"]["message"]
 

@@ -1,6 +1,7 @@
-"""Write tiny GGUF models with random weights for fast tests: llama, and the recurrent and hybrid
-families (Mamba2, LFM2, Granite 4 hybrid, Qwen3.5), whose tensor names and shapes follow the
-vendored llama.cpp's src/llama-arch.cpp and src/models/*.cpp.
+"""Write tiny GGUF models with random weights for fast tests: llama, the recurrent and hybrid
+families (Mamba2, LFM2, Granite 4 hybrid, Qwen3.5), and a multimodal projector, whose tensor
+names and shapes follow the vendored llama.cpp's src/llama-arch.cpp, src/models/*.cpp and
+tools/mtmd/clip.cpp.
 
 The vocabulary is SentencePiece-style with byte fallback: the 256 byte tokens
 let any UTF-8 text round-trip, and a handful of word pieces make tokenization
@@ -334,6 +335,57 @@ def write_tiny_family(
     if perturb:
         output = output + (perturb * np.random.default_rng(seed + 1).standard_normal(output.shape)).astype(output.dtype)
     w.add_tensor("output.weight", output)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_tiny_projector(
+    path: Path, *, n_embd_text: int = 64, n_embd: int = 32, n_layer: int = 2, n_head: int = 4, n_ff: int = 64,
+    image_size: int = 28, patch_size: int = 14, seed: int = 0,
+) -> Path:
+    """Write a tiny multimodal projector (an mmproj GGUF) of LLaVA's kind, as llama.cpp's
+    tools/mtmd/clip.cpp loads it ("mlp": a ViT, then two linear layers into the text model's
+    n_embd_text): an image is resized to image_size² and fills (image_size / patch_size)² positions."""
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    w = GGUFWriter(str(path), "clip")
+    w.add_name("tiny-test-projector")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", "mlp")
+    w.add_bool("clip.use_gelu", True)
+    for key, value in (("image_size", image_size), ("patch_size", patch_size), ("embedding_length", n_embd),
+                       ("feed_forward_length", n_ff), ("block_count", n_layer), ("projection_dim", n_embd_text),
+                       ("attention.head_count", n_head)):
+        w.add_uint32(f"clip.vision.{key}", value)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w.add_file_type(0)  # all F32
+    w.add_tensor("v.patch_embd.weight", weight(n_embd, 3, patch_size, patch_size))
+    w.add_tensor("v.position_embd.weight", weight((image_size // patch_size) ** 2, n_embd))
+    for i in range(n_layer):
+        b = f"v.blk.{i}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"{b}.{name}.weight", weight(n_embd, n_embd))
+            w.add_tensor(f"{b}.{name}.bias", np.zeros(n_embd, np.float32))
+        for norm in ("ln1", "ln2"):
+            w.add_tensor(f"{b}.{norm}.weight", np.ones(n_embd, np.float32))
+            w.add_tensor(f"{b}.{norm}.bias", np.zeros(n_embd, np.float32))
+        w.add_tensor(f"{b}.ffn_up.weight", weight(n_ff, n_embd))
+        w.add_tensor(f"{b}.ffn_up.bias", np.zeros(n_ff, np.float32))
+        w.add_tensor(f"{b}.ffn_down.weight", weight(n_embd, n_ff))
+        w.add_tensor(f"{b}.ffn_down.bias", np.zeros(n_embd, np.float32))
+    # The projection into the text model's embeddings, at the scale of its token embeddings.
+    w.add_tensor("mm.0.weight", weight(n_embd_text, n_embd, scale=1.0))
+    w.add_tensor("mm.0.bias", np.zeros(n_embd_text, np.float32))
+    w.add_tensor("mm.2.weight", weight(n_embd_text, n_embd_text, scale=1.0))
+    w.add_tensor("mm.2.bias", np.zeros(n_embd_text, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

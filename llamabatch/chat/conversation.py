@@ -123,6 +123,12 @@ class Chat:
         ids = self.vocab.tokenize(text, add_special=False)
         return ids[0] if len(ids) == 1 and not self.vocab.piece(ids[0]) else None
 
+    def adds_bos(self, text: str) -> bool:
+        """Whether the tokenizer adds its BOS to a rendered prompt: not where the template wrote
+        it itself (Llama 3, Mistral), so that there is no second one."""
+        bos = self.template.bos_token
+        return not (bos and text.startswith(bos))
+
     def prompt(
         self, messages: list[dict], tools: Tools | None = None, template_kwargs: dict | None = None, reasoning_budget: int = -1,
     ) -> ChatPrompt:
@@ -147,9 +153,7 @@ class Chat:
         lark = format.grammar(tools) if tools is not None and tools.constrained else None
         if lark is not None and reasoning is not None and tools.required:
             lark = _after_thought(lark, reasoning)
-        # a template that writes the BOS itself (Llama 3, Mistral) gets no second one from the tokenizer
-        bos = self.template.bos_token
-        tokens = self.vocab.tokenize(text, add_special=not (bos and text.startswith(bos)))
+        tokens = self.vocab.tokenize(text, add_special=self.adds_bos(text))
         budget = ThinkingBudget(reasoning_budget, opened=reasoning.open) if reasoning is not None and reasoning_budget > 0 else None
         return ChatPrompt(text, tokens, lark, Answer(tools, format, reasoning), budget)
 

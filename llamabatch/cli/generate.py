@@ -10,11 +10,11 @@ from typing import Annotated, Optional
 import typer
 
 from .. import display
-from ..engine import BatchEngine, Result, SamplingParams, Sequence
+from ..engine import BatchEngine, ImagePrompt, Result, SamplingParams, Sequence
 from ..engine.sizing.options import EngineOptions
 from ..errors import LlamabatchError
 from ..jobs.prompts import gather_prompts
-from .options import BadWordsOpt, DryAllowedLengthOpt, DryBaseOpt, DryMultiplierOpt, DryPenaltyLastNOpt, DrySequenceBreakersOpt, DynatempExponentOpt, DynatempRangeOpt, MinTokensOpt, MirostatEtaOpt, MirostatOpt, MirostatTauOpt, TopNSigmaOpt, TypicalPOpt, XtcProbabilityOpt, XtcThresholdOpt, further_samplers, BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, StepTargetOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, ChoiceOpt, CtxOpt, CtxPerSeqOpt, DEFAULT, DeterministicOpt, DraftMaxOpt, DraftModelOpt, FlashAttnOpt, FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt, IgnoreEosOpt, JsonOpt, JsonSchemaOpt, KvUnifiedOpt, LoraOpt, MaxTokensOpt, MemoryOpt, MinPOpt, ModelOpt, ParallelOpt, PresencePenaltyOpt, RegexOpt, RepeatPenaltyOpt, RpcOpt, RpcTimeoutOpt, SamplesOpt, SeedOpt, SharePrefixesOpt, SpeculativeOpt, StopOpt, TemperatureOpt, TensorSplitOpt, ThreadsOpt, TopKOpt, TopPOpt, UbatchOpt, VerboseOpt, constraint, reports_errors
+from .options import BadWordsOpt, DryAllowedLengthOpt, DryBaseOpt, DryMultiplierOpt, DryPenaltyLastNOpt, DrySequenceBreakersOpt, DynatempExponentOpt, DynatempRangeOpt, MinTokensOpt, MirostatEtaOpt, MirostatOpt, MirostatTauOpt, TopNSigmaOpt, TypicalPOpt, XtcProbabilityOpt, XtcThresholdOpt, further_samplers, BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatOpt, ChatTemplateOpt, MmprojOffloadOpt, MmprojOpt, CheckpointEveryOpt, CheckpointMemoryOpt, StepTargetOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, ChoiceOpt, CtxOpt, CtxPerSeqOpt, DEFAULT, DeterministicOpt, DraftMaxOpt, DraftModelOpt, FlashAttnOpt, FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt, IgnoreEosOpt, JsonOpt, JsonSchemaOpt, KvUnifiedOpt, LoraOpt, MaxTokensOpt, MemoryOpt, MinPOpt, ModelOpt, ParallelOpt, PresencePenaltyOpt, RegexOpt, RepeatPenaltyOpt, RpcOpt, RpcTimeoutOpt, SamplesOpt, SeedOpt, SharePrefixesOpt, SpeculativeOpt, StopOpt, TemperatureOpt, TensorSplitOpt, ThreadsOpt, TopKOpt, TopPOpt, UbatchOpt, VerboseOpt, constraint, reports_errors
 
 
 @reports_errors
@@ -22,6 +22,7 @@ def run(
     context: typer.Context,
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(help="Prompts: one per line, or JSONL objects with 'prompt' and sampling fields.")] = None,
+    image: Annotated[Optional[list[Path]], typer.Option("--image", help="An image file (repeatable): one shown with every prompt, or one per prompt. Needs --mmproj.")] = None,
     model: ModelOpt = None,
     config: CatalogOpt = None,
     max_tokens: MaxTokensOpt = DEFAULT.max_tokens,
@@ -85,6 +86,8 @@ def run(
     bad_word: BadWordsOpt = None,
     chat: ChatOpt = None,
     chat_template: ChatTemplateOpt = None,
+    mmproj: MmprojOpt = None,
+    mmproj_offload: MmprojOffloadOpt = None,
     stream: Annotated[bool, typer.Option(help="Show each sequence's text live.")] = False,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = False,
@@ -97,14 +100,29 @@ def run(
         **constraint(json_schema, grammar, regex, choice), **further_samplers(context.params),
     )
     prompts, params = gather_prompts(prompt or [], prompts_file, base)
+    if image:
+        prompts = _with_images(prompts, image)
     with BatchEngine(**EngineOptions.of(context.params).engine_kwargs(n_sequences=sum(p.n for p in params))) as engine:
         sequences = engine.submit(prompts, params)
         _drive(engine, sequences, live=stream and not json_out)
         results = [seq.result() for seq in sequences]
         stats = {"model": engine.model_name, "parallel": engine.config.n_parallel, **engine.stats.summary()}
+        if engine.config.mmproj:
+            stats["images_encoded"] = engine.images_encoded
     _report(results, stats, json_out=json_out, streamed=stream)
     if any(r.error for r in results):
         raise typer.Exit(1)
+
+
+def _with_images(prompts: list[str], images: list[Path]) -> list[ImagePrompt]:
+    """--image: one image shown with every prompt, or one per prompt, in order."""
+    if len(images) not in (1, len(prompts)):
+        raise LlamabatchError(f"--image: give one image (shown with every prompt) or one per prompt ({len(prompts)} prompts, {len(images)} images)")
+    for path in images:
+        if not path.is_file():
+            raise LlamabatchError(f"--image: file not found: {path}")
+    data = [path.read_bytes() for path in images]
+    return [ImagePrompt(text, (data[0] if len(data) == 1 else data[k],)) for k, text in enumerate(prompts)]
 
 
 def _drive(engine: BatchEngine, sequences: list[Sequence], live: bool) -> None:

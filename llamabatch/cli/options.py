@@ -99,6 +99,10 @@ SamplesOpt = Annotated[Optional[int], typer.Option("-n", "--n", help="Samples pe
 ChatOpt = Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template.")]
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", help="Chat template: a Jinja file, or a llama.cpp built-in's name (chatml, gemma, llama3...). Default: the GGUF's.")]
+MmprojOpt = Annotated[Optional[str], typer.Option(
+    "--mmproj", help="The model's multimodal projector (an mmproj GGUF): prompts may show images.")]
+MmprojOffloadOpt = Annotated[Optional[bool], typer.Option(
+    "--mmproj-offload/--no-mmproj-offload", help="Run the projector on the GPU (default) or on the CPU.")]
 # llama.cpp's further samplers, named as llama-server's request fields (min_tokens and bad words: vLLM's)
 SAMPLERS = "llama.cpp's further samplers"
 DryMultiplierOpt = Annotated[Optional[float], typer.Option("--dry-multiplier", help="DRY: penalise repeating a sequence the text holds (0 = off).", rich_help_panel=SAMPLERS)]

@@ -18,7 +18,7 @@ from ..engine.native.backend import init_backend
 from ..engine.sizing.options import AUTO, EngineOptions, memory_budget
 from ..engine.rpc import DEFAULT_PORT as DEFAULT_RPC_PORT
 from ..errors import LlamabatchError
-from .options import BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatTemplateOpt, CheckpointEveryOpt, CheckpointMemoryOpt, StepTargetOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt, MaxItlOpt, ParallelOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SharePrefixesOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt, UbatchOpt, VerboseOpt, parse_pooling, parse_replicas, reports_errors
+from .options import BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatTemplateOpt, MmprojOffloadOpt, MmprojOpt, CheckpointEveryOpt, CheckpointMemoryOpt, StepTargetOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt, MaxItlOpt, ParallelOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SharePrefixesOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt, UbatchOpt, VerboseOpt, parse_pooling, parse_replicas, reports_errors
 
 if TYPE_CHECKING:  # the server's imports load only when serving
     from ..serve.app import ServerSettings
@@ -81,6 +81,8 @@ def serve(
     replicas: ReplicasOpt = None,
     ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="With --replicas: 'local' (default), 'auto' (the running cluster) or ray://host:port.")] = None,
     chat_template: ChatTemplateOpt = None,
+    mmproj: MmprojOpt = None,
+    mmproj_offload: MmprojOffloadOpt = None,
     reasoning_budget: Annotated[int, typer.Option(
         "--reasoning-budget", help="A chat answer's thought in tokens at most, then closed for it (-1: no limit, 0: no thinking); a request's reasoning_budget overrides it.")] = -1,
     verbose: VerboseOpt = False,

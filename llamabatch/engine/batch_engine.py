@@ -118,7 +118,7 @@ class BatchEngine:
         self, prompt: PromptInput, params: SamplingParams | None = None, index: int | None = None,
         *, score_from: int | None = None, priority: int = 0, priority_class: str = "interactive",
     ) -> list[Sequence]:
-        """Queue a prompt (text, or token ids) for params.n samples, which share its KV. With
+        """Queue a prompt (text, token ids, or an ImagePrompt) for params.n samples, which share its KV. With
         score_from (or params.prompt_logprobs, which scores from the second token), the prompt's
         tokens from that index on get their log-probabilities as it is decoded. A lower priority
         runs first (queue.rank), preempting worse-ranked sequences when no slot is free.
@@ -137,6 +137,17 @@ class BatchEngine:
     def tokenize_prompt(self, prompt: str) -> list[int]:
         """A prompt's tokens as the engine decodes them (with --chat, as a user message)."""
         return self.intake.tokenize_prompt(prompt)
+
+    def prompt_length(self, prompt: PromptInput) -> int:
+        """The positions a prompt fills as the engine decodes it (an image's as its projector
+        makes them: it is encoded to know)."""
+        return len(self.intake.positions(prompt))
+
+    @property
+    def images_encoded(self) -> int:
+        """Images the projector encoded since the engine was made (one shown again is not encoded again)."""
+        projector = self.runtime.projector
+        return 0 if projector is None else projector.n_encoded
 
     def chat_prompt(
         self, messages: list[dict], tools: Tools | None = None, template_kwargs: dict | None = None, reasoning_budget: int = -1,

@@ -101,13 +101,15 @@ class EngineConfig:
     # The chat template: a Jinja file, or a llama.cpp built-in's name; None: the GGUF's own, else
     # the catalog's built-in for GGUFs without one.
     chat_template: str | None = None
+    mmproj: str | None = None  # a multimodal projector GGUF: prompts may show images
+    mmproj_offload: bool = True  # the projector on the GPU, where the text model's layers are
     verbose: bool = False
 
     def __post_init__(self) -> None:
         if self.n_threads == 0:
             object.__setattr__(self, "n_threads", os.cpu_count() or 1)
         object.__setattr__(self, "lora", tuple(str(text) for text in self.lora))
-        for name in ("draft_model", "cache_dir", "chat_template"):  # paths are kept as text
+        for name in ("draft_model", "cache_dir", "chat_template", "mmproj"):  # paths are kept as text
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, str(getattr(self, name)))
         object.__setattr__(self, "rpc", parse_endpoints(self.rpc))
@@ -125,7 +127,7 @@ class EngineConfig:
         values = dict(
             n_ctx=spec.n_ctx, n_batch=spec.n_batch, n_ubatch=spec.n_ubatch, n_parallel=spec.parallel,
             n_threads=spec.threads, gpu_layers=spec.gpu_layers, chat=spec.chat, rpc=spec.rpc,
-            tensor_split=spec.tensor_split,
+            tensor_split=spec.tensor_split, mmproj=spec.mmproj,
         )
         unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
         if unknown:
@@ -176,6 +178,8 @@ class EngineConfig:
             yield "--speculative draft needs --draft-model NAME|PATH"
         if self.draft_model and self.speculative != "draft":
             yield f"--draft-model drafts with --speculative draft, not {self.speculative!r}"
+        if self.mmproj and self.speculative != "off":
+            yield "--speculative with --mmproj: speculative decoding of prompts with images is not supported yet"
         if self.deterministic and self.speculative != "off":
             yield "--deterministic decodes one token per sequence a step: drop --speculative"
         if self.scheduling not in ("priority", "fcfs"):

@@ -12,6 +12,7 @@ from ..errors import ChatTemplateError, ConstraintError, PromptError, SamplingEr
 from .sampling.chain import build_sampler
 from .config import EngineConfig
 from .sampling.constraints import Constraint, Grammars
+from .media import MediaSpan, lay_out
 from .runtime import Runtime
 from .sampling.params import SamplingParams
 from .scheduling.scheduler import Scheduler
@@ -21,13 +22,27 @@ from .sampling.thinking import Thought
 
 @dataclass(frozen=True)
 class Prompt:
-    """A text prompt with its tokens, as Intake.prepare tokenized it ahead of add()."""
+    """A text prompt with its tokens, as Intake.prepare tokenized it ahead of add(); with images,
+    as Intake.media_prompt read it (an image's positions hold placeholders: media.placeholders)."""
 
     text: str
     tokens: list[int]
+    media: tuple[MediaSpan, ...] = ()
 
 
-PromptInput = str | list[int] | Prompt
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt that shows images (each the bytes of a JPEG, PNG, ... file), for a model loaded
+    with its projector (--mmproj). Each marker in the text (libmtmd's, <__media__>) is the next
+    image; a text without markers gets them all first, as llama-mtmd-cli places them. With
+    --chat the text is the user's message."""
+
+    text: str
+    images: tuple[bytes, ...]
+    templated: bool = False  # the text is a whole rendered chat prompt (the server's): not templated again
+
+
+PromptInput = str | list[int] | Prompt | ImagePrompt
 
 
 class Intake:
@@ -49,7 +64,8 @@ class Intake:
         constraint = Constraint.of(params)
         if constraint is not None:
             self.grammars.compile(constraint)
-        return [Prompt(p, self.tokenize_prompt(p)) if isinstance(p, str) and p else p for p in prompts]
+        return [Prompt(p, self.tokenize_prompt(p)) if isinstance(p, str) and p else
+                self.media_prompt(p) if isinstance(p, ImagePrompt) else p for p in prompts]
 
     def add(
         self, prompt: PromptInput, params: SamplingParams | None = None, index: int | None = None,
@@ -59,7 +75,12 @@ class Intake:
         params = params or SamplingParams()
         if index is None:
             index, self._next_index = self._next_index, self._next_index + 1
+        if isinstance(prompt, ImagePrompt):
+            prompt = self.media_prompt(prompt)
+        media = prompt.media if isinstance(prompt, Prompt) else ()
         prompt, tokens = self._tokens(prompt)
+        if media:
+            self._check_media(media, tokens, params)
         if score_from is None and params.prompt_logprobs is not None and len(tokens) > 1:
             score_from = 1  # a one-token prompt has nothing to score: its only entry is the null
         if score_from is not None and not 1 <= score_from < len(tokens):
@@ -71,7 +92,7 @@ class Intake:
         adapters = self.runtime.adapters.default if params.adapters is None else params.adapters
         self.runtime.adapters.check(adapters)
         samples = params.per_sample()
-        sequences = [self._new_sequence(index, k, prompt, tokens, p) for k, p in enumerate(samples)]
+        sequences = [self._new_sequence(index, k, prompt, tokens, p, media) for k, p in enumerate(samples)]
         if params.n > self.config.n_parallel and self.scheduler.checkpoint_every is not None:
             for seq in sequences:  # samples that wait for a slot take the prompt from a checkpoint there
                 seq.checkpoint_at = len(tokens) - 1
@@ -106,13 +127,25 @@ class Intake:
             raise PromptError(f"prompt is {len(tokens)} tokens, longer than the {ctx.n_ctx_seq}-token context of one sequence ({hint})")
         return prompt, tokens
 
-    def _new_sequence(self, index: int, sample: int, prompt: str, tokens: list[int], params: SamplingParams) -> Sequence:
+    def _check_media(self, media: tuple[MediaSpan, ...], tokens: list[int], params: SamplingParams) -> None:
+        """Refuse what a prompt with images cannot do here."""
+        if media[-1].end >= len(tokens):
+            raise PromptError("the prompt ends with an image: a prompt must go on with text after its last image (its first token is sampled from that text)")
+        if params.prompt_logprobs is not None:
+            raise PromptError("prompt_logprobs (echo) with images: an image's positions have no tokens to score")
+        n_ubatch = self.runtime.ctx.n_ubatch
+        for span in media:
+            if span.image.non_causal and span.image.n_tokens > n_ubatch:
+                raise PromptError(f"an image of {span.image.n_tokens} positions, attended both ways, must fit one micro-batch: raise --ubatch-size to {span.image.n_tokens} (now {n_ubatch})")
+
+    def _new_sequence(self, index: int, sample: int, prompt: str, tokens: list[int], params: SamplingParams,
+                      media: tuple[MediaSpan, ...] = ()) -> Sequence:
         n_ctx_seq = self.runtime.ctx.n_ctx_seq
         sampler = build_sampler(params, n_ctx_seq, self.vocab, len(tokens))  # penalties look back over the prompt too, as llama.cpp's server does
         # max_tokens reached, or the context: the newest token is decoded at len(tokens) - 1 next step, in a cell it needs.
         max_len = min(len(tokens) + params.max_tokens, n_ctx_seq + 1)
         return Sequence(index, prompt, params, list(tokens), len(tokens), sampler=sampler, sample=sample, uid=next(self._uids),
-                        max_len=max_len)
+                        max_len=max_len, media=media)
 
     def submit(
         self, prompts: Iterable[PromptInput], params: SamplingParams | list[SamplingParams] | None = None,
@@ -131,11 +164,38 @@ class Intake:
         try:
             return self.add(prompt, params, index, priority=priority, priority_class=priority_class)
         except (PromptError, SamplingError, ConstraintError) as e:
-            prompt = prompt.text if isinstance(prompt, Prompt) else prompt if isinstance(prompt, str) else ""
+            prompt = prompt.text if isinstance(prompt, (Prompt, ImagePrompt)) else prompt if isinstance(prompt, str) else ""
             return [
                 Sequence(index, prompt, p, [], 0, sample=k, status=Status.FINISHED, finish_reason="error", error=str(e), refused=True)
                 for k, p in enumerate(params.per_sample())
             ]
+
+    def media_prompt(self, shown: ImagePrompt) -> Prompt:
+        """The prompt read by the projector: its text tokens, its images encoded (PromptError
+        for an image that cannot be, or a model without a projector)."""
+        prompt, images = shown.text, list(shown.images)
+        projector = self.runtime.projector
+        if projector is None:
+            raise PromptError(f"{self.runtime.model.path.name} was loaded without a projector: images need --mmproj (or mmproj in models.toml)")
+        if projector.marker not in prompt:  # as llama-mtmd-cli: the images first
+            prompt = projector.marker * len(images) + prompt
+        if shown.templated:
+            text, add_special = prompt, self.runtime.chat is None or self.runtime.chat.adds_bos(prompt)
+        elif self.config.chat:
+            text = self.chat_prompt([{"role": "user", "content": prompt}]).text
+            add_special = self.runtime.chat.adds_bos(text)
+        else:
+            text, add_special = prompt, True
+        tokens, media = lay_out(projector.read(text, images, add_special), self.vocab.n_vocab)
+        return Prompt(prompt, tokens, media)
+
+    def positions(self, prompt: PromptInput) -> list[int]:
+        """BatchEngine.prompt_length's tokens (an image's positions as placeholders)."""
+        if isinstance(prompt, ImagePrompt):
+            return self.media_prompt(prompt).tokens
+        if isinstance(prompt, Prompt):
+            return prompt.tokens
+        return self.tokenize_prompt(prompt) if isinstance(prompt, str) else list(prompt)
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         if self.config.chat:

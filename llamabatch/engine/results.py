@@ -108,6 +108,7 @@ class RunStats:
     draft_tokens: int = 0  # speculative tokens verified
     draft_accepted: int = 0  # of which the model agreed with
     adapter_switches: int = 0  # steps that decoded another LoRA adapter set than the step before
+    images_read: int = 0  # images decoded into a sequence's memory (each its own llama_decode, beside the step)
     first_step_at: float | None = None
     last_step_at: float | None = None
 
@@ -152,6 +153,7 @@ class RunStats:
             "incomplete_structured": self.incomplete_structured,
             "draft_tokens": self.draft_tokens,
             "adapter_switches": self.adapter_switches,
+            "images_read": self.images_read,
             "draft_acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_decode": round(self.completion_tokens / self.decode_calls, 3) if self.decode_calls else 0.0,
             "wall_s": round(self.wall_s, 4),

@@ -14,6 +14,7 @@ from .config import RPC_TIMEOUT_S, EngineConfig
 from .embedding import MAX_TEXTS_PER_DECODE, Embedder, Pooling, model_pooling
 from .memory.streams import Family, Memory
 from .native.handles import Batch, Context, Model
+from .native.projector import EmbeddingBatch, Projector
 from .native.backend import init_backend, use_row_invariant_matmul
 from .memory.prompt_cache import PromptCache, fingerprint
 from .rpc import guard as rpc_guard, local_accelerators, remote_devices
@@ -58,6 +59,11 @@ class Runtime:
             if self.prompt_cache is not None:
                 undo.callback(self.prompt_cache.close)
             self.batch = Batch(self.ctx.n_batch)
+            undo.callback(self.batch.close)
+            self.projector, self.media_batch = self._projector()
+            for handle in (self.projector, self.media_batch):
+                if handle is not None:
+                    undo.callback(handle.close)
             undo.pop_all()  # loaded: close() frees them from now on
         self.vocab = self.model.vocab
         self.scratch = Scratch(self.vocab.n_vocab)  # buffers sampled rows reuse
@@ -77,8 +83,21 @@ class Runtime:
         cfg = self.config
         if not cfg.cache_ram and not cfg.cache_dir:
             return None
-        key = fingerprint(path, [spec.path for spec, _ in self.adapters.chosen], cfg.cache_type_k, cfg.cache_type_v, str(self.ctx.flash_attn))
+        key = fingerprint(path, [spec.path for spec, _ in self.adapters.chosen], cfg.cache_type_k, cfg.cache_type_v, str(self.ctx.flash_attn),
+                          None if cfg.mmproj is None else Path(cfg.mmproj))
         return PromptCache(cfg.cache_ram, key, None if cfg.cache_dir is None else Path(cfg.cache_dir), cfg.cache_disk)
+
+    def _projector(self) -> tuple[Projector | None, EmbeddingBatch | None]:
+        """The multimodal projector (--mmproj), and the batch images are decoded from."""
+        cfg = self.config
+        if cfg.mmproj is None:
+            return None, None
+        projector = Projector(Path(cfg.mmproj), self.model, cfg.n_threads, offload=cfg.mmproj_offload)
+        try:
+            return projector, EmbeddingBatch(self.ctx.n_batch, projector.n_embd)
+        except BaseException:
+            projector.close()
+            raise
 
     def _chat(self, builtin: str | None) -> Chat | None:
         """The model's chat format: --chat-template over the GGUF's template over the catalog's
@@ -135,13 +154,16 @@ class Runtime:
 
     def close(self) -> None:
         """Free every handle: prompt cache (its writer finishes), speculator, embedding contexts,
-        batch, context, adapters, then the model."""
+        projector, batches, context, adapters, then the model."""
         if self.prompt_cache is not None:
             self.prompt_cache.close()
         if self.speculator is not None:
             self.speculator.close()
         for embedder in self._embedders.values():
             embedder.close()
+        for handle in (self.media_batch, self.projector):
+            if handle is not None:
+                handle.close()
         self.batch.close()
         self.ctx.close()
         self.adapters.close()  # before the model, which would free them itself

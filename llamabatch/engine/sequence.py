@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .adapters import BASE, AdapterSet
+from .media import MediaSpan
 from .sampling.thinking import Thought
 from .results import PromptScore, Result, Timings, TokenLogprob
 from .sampling.samplers import GreedySampler, RowSampler
@@ -81,6 +82,7 @@ class Sequence:
     priority: int = 0
     priority_class: str = "interactive"
     adapters: AdapterSet = BASE  # the LoRA adapters it decodes under (its KV is theirs)
+    media: tuple[MediaSpan, ...] = ()  # its prompt's images, in order: their positions are read apart from the step
     swapped: bytes | None = None  # its KV (n_past positions), saved to host memory while preempted
     finish_reason: str | None = None  # "stop", "length", "error" or "cancelled"
     error: str | None = None
@@ -160,6 +162,16 @@ class Sequence:
     def text(self) -> str:
         """Its text so far (cut at a stop string)."""
         return self.stream.text
+
+    def media_at(self) -> MediaSpan | None:
+        """The image its next position starts, if one does."""
+        return next((span for span in self.media if span.start == self.n_past), None)
+
+    @property
+    def text_ahead(self) -> int:
+        """Its pending tokens a step may carry: up to its next image, if one comes."""
+        start = next((span.start for span in self.media if span.start >= self.n_past), len(self.tokens))
+        return start - self.n_past
 
     @property
     def n_generated(self) -> int:

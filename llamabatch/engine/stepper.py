@@ -37,6 +37,7 @@ class Stepper:
         self.config, self.scheduler, self.reuse, self.picker, self.post, self.stats = config, scheduler, reuse, picker, post, stats
         self.ctx, self.batch, self.memory = runtime.ctx, runtime.batch, runtime.memory
         self.adapters, self.speculator, self.vocab = runtime.adapters, runtime.speculator, runtime.vocab
+        self.media_batch = runtime.media_batch  # None: no projector, no images
         # Float weights go through llamafile's sgemm from 2 rows and ggml's vec_dot for 1, which
         # round differently: a deterministic filler asks for logits too, so the output layer never
         # multiplies a single row either (scheduler.fillers).
@@ -76,6 +77,7 @@ class Stepper:
                 self._make_way(victim)
             for seq in self.scheduler.admit():
                 self.reuse.resume(seq)
+        images = self._read_images(events) if self.media_batch is not None else 0
         drafted = self._propose_drafts() if self.speculator is not None else None  # None: nothing planned
         step = self.scheduler.schedule(reserved=sum(len(s.draft) for s in drafted) if drafted else 0)
         carried += step.rows
@@ -91,7 +93,7 @@ class Stepper:
         if decoded:
             self.stats.record_step(started, ended)
             if failure is None and not drafted:  # a step as composed: what its rows cost, for the step budget
-                self.scheduler.budget.observe(step.n_decoding, step.n_prompt, ended - started)
+                self.scheduler.budget.observe(step.n_decoding, step.n_prompt + images, ended - started)  # an image's positions are prompt work
         if drafted is not None and failure is None:  # planned, so a pure decode step (the speculator plans none beside a prompt)
             self.speculator.observe(drafted, self.stats.completion_tokens - tokens_before, ended - started)
         return failure if not decoded else None
@@ -173,6 +175,30 @@ class Stepper:
         self._count_failed_step(message)
         stranded = [seq for seq in self.scheduler.running if seq.n_pending == 0]
         return [self.post.fail(seq, message) for seq in dict.fromkeys(carried + stranded) if seq.status is not Status.FINISHED]
+
+    def _read_images(self, events: list[Event]) -> int:
+        """Each running sequence whose next positions are an image's has it decoded now, on its
+        own (a batch holds tokens or embeddings, not both): the step then carries its text after
+        the image beside everyone's tokens. One that does not fit the KV cache fails alone.
+        Returns the positions read."""
+        read = 0
+        for seq in [s for s in self.scheduler.running if s.media and s.leader is None]:
+            span = seq.media_at()
+            while span is not None:
+                try:
+                    self.media_batch.decode(self.ctx, span.image, seq.seq_id, span.start)
+                except DecodeError as e:
+                    self._undo([seq])
+                    events.append(self.post.fail(seq, f"reading its image: {e}"))
+                    break
+                seq.advance(span.image.n_tokens)
+                read += span.image.n_tokens
+                self.stats.images_read += 1
+                self.stats.prompt_tokens_evaluated += span.image.n_tokens
+                for follower in [f for f in seq.followers if f.n_shared == seq.n_past]:
+                    self._share_prefix(seq, follower, -1, [], [])
+                span = seq.media_at()
+        return read
 
     def _propose_drafts(self) -> list[Sequence] | None:
         """Drafts where the speculator plans them; their rows must fit the batch beside every

@@ -47,7 +47,7 @@ def estimate(engine: BatchEngine, source: str | Path, base: SamplingParams | Non
             try:
                 inputs = engine_inputs(item.body, engine) if item.body is not None else EngineInputs([item.prompt], item.params)
                 prompts, params = inputs.prompts, inputs.params
-                lengths = [len(p) if isinstance(p, list) else len(engine.tokenize_prompt(p)) for p in prompts]
+                lengths = [engine.prompt_length(p) for p in prompts]
             except LlamabatchError:
                 bad += 1  # refused when it runs, as here
                 continue

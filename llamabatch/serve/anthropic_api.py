@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Literal, Union
 
 from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
-from pydantic import BaseModel, Field, StrictBool, StrictStr
+from pydantic import BaseModel, Field, StrictBool, StrictStr, model_validator
 
 from ..engine import BatchEngine
 from ..errors import LlamabatchError
@@ -58,6 +58,22 @@ class TextBlock(Body):
     citations: None = None
 
 
+class ImageSource(Body):
+    type: Literal["base64"]  # remote images ("url") are not fetched
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: StrictStr
+
+
+class ImageBlock(Body):
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: CacheControl | None = None
+
+    def part(self) -> dict:
+        """The image as an OpenAI content part."""
+        return {"type": "image_url", "image_url": {"url": f"data:{self.source.media_type};base64,{self.source.data}"}}
+
+
 class ToolUseBlock(Body):
     type: Literal["tool_use"]
     id: StrictStr
@@ -89,12 +105,18 @@ class RedactedThinkingBlock(Body):
     data: StrictStr
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock], Field(discriminator="type")]
+Block = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock], Field(discriminator="type")]
 
 
 class Message(Body):
     role: Literal["user", "assistant"]
     content: Text | list[Block]
+
+    @model_validator(mode="after")
+    def _images_from_the_user(self):
+        if self.role == "assistant" and isinstance(self.content, list) and any(isinstance(b, ImageBlock) for b in self.content):
+            raise ValueError("image blocks belong to user messages")
+        return self
 
     def openai(self) -> list[dict]:
         """The chat messages this one means: a user turn's tool results first (each a tool
@@ -105,6 +127,10 @@ class Message(Body):
         if self.role == "user":
             results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                        for b in self.content if isinstance(b, ToolResultBlock)]
+            if any(isinstance(b, ImageBlock) for b in self.content):  # text and images as parts, in order
+                parts = [b.part() if isinstance(b, ImageBlock) else {"type": "text", "text": b.text}
+                         for b in self.content if isinstance(b, (TextBlock, ImageBlock))]
+                return results + [{"role": "user", "content": parts}]
             return results + ([{"role": "user", "content": "\n".join(texts)}] if texts or not results else [])
         message: dict = {"role": "assistant", "content": "\n".join(texts) if texts else None}
         calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
@@ -248,7 +274,7 @@ def anthropic_routes(serving: Serving, authorized, errors, reasoning_budget: int
 
             def count() -> int:
                 with refusals():
-                    return len(engine_inputs(body.chat(), engine, reasoning_budget).prompts[0])
+                    return engine.prompt_length(engine_inputs(body.chat(), engine, reasoning_budget).prompts[0])
 
             return {"input_tokens": await asyncio.to_thread(count)}
 

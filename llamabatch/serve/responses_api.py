@@ -37,16 +37,32 @@ class InputText(Body):
     logprobs: list | None = None
 
 
+class InputImage(Body):
+    type: Literal["input_image"]
+    image_url: StrictStr  # a data: URL (remote images are not fetched)
+    detail: Literal["auto", "low", "high"] | None = None
+
+    def part(self) -> dict:
+        """The image as a chat message's content part."""
+        return {"type": "image_url", "image_url": {"url": self.image_url}}
+
+
 class MessageItem(Body):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Text | list[InputText]
+    content: Text | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
     id: StrictStr | None = None
     status: StrictStr | None = None
     phase: StrictStr | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content if isinstance(part, InputText))
+
+    def chat_content(self) -> str | list[dict]:
+        """Its content as a chat message's: its text, or, with images, text and image parts in order."""
+        if isinstance(self.content, str) or not any(isinstance(part, InputImage) for part in self.content):
+            return self.text()
+        return [part.part() if isinstance(part, InputImage) else {"type": "text", "text": part.text} for part in self.content]
 
 
 class FunctionCallItem(Body):
@@ -159,7 +175,7 @@ class ResponsesRequest(Body):
                     messages.append(turn)
                 turn.setdefault("tool_calls", []).append(call)
             else:
-                turn = {"role": item.role, "content": item.text()}
+                turn = {"role": item.role, "content": item.chat_content()}
                 messages.append(turn)
             if thought is not None and turn["role"] == "assistant":
                 turn["reasoning_content"], thought = thought, None

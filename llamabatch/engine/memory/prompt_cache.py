@@ -97,13 +97,17 @@ class CacheStats:
     refused: int = 0  # entries removed as unreadable, foreign, or refused by llama.cpp
 
 
-def fingerprint(model: Path, adapters: Iterable[Path], cache_type_k: str, cache_type_v: str, flash_attn: str) -> str:
-    """What a state's validity depends on beyond its tokens and adapter scales."""
+def fingerprint(model: Path, adapters: Iterable[Path], cache_type_k: str, cache_type_v: str, flash_attn: str,
+                projector: Path | None = None) -> str:
+    """What a state's validity depends on beyond its tokens and adapter scales (an image's
+    positions are tokens named after its pixels: what the projector made of them counts too)."""
     described = {
         "llama_cpp": llama_cpp.__version__, "model": model_fingerprint(model),
         "adapters": [model_fingerprint(path) for path in adapters],  # in id order: entries name adapters by id
         "cache_type_k": cache_type_k, "cache_type_v": cache_type_v, "flash_attn": flash_attn,
     }
+    if projector is not None:
+        described["projector"] = model_fingerprint(projector)
     return hashlib.blake2b(json.dumps(described, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 

@@ -77,6 +77,11 @@ def _on_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     log.write(level, text.decode(errors="replace"))
 
 
+def route_log(set_callback) -> None:
+    """Another native library's log (libmtmd's) into the same router, by its setter."""
+    set_callback(_on_log, None)
+
+
 def use_row_invariant_matmul() -> None:
     """Turn off ggml's tiled K-quant matmul, whose results depend on how many rows a batch has."""
     if os.environ.get("GGML_CPU_TILED_MM") == "0":

@@ -11,6 +11,7 @@ import functools
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import llama_cpp
 import numpy as np
@@ -21,6 +22,13 @@ from .backend import awaiting_backends
 
 KV_FULL = 1  # llama_decode's "no free KV slot" (DecodeError.code)
 INVALID_BATCH = -1  # llama_decode refused the batch before computing anything (positions, ids, ...)
+
+
+class Decodable(Protocol):
+    """A batch llama_decode takes (Batch, or a projector's EmbeddingBatch)."""
+
+    @property
+    def struct(self) -> llama_cpp.llama_batch: ...
 
 
 class _Owner:
@@ -324,6 +332,7 @@ class Context(_Owner):
         self.n_ctx = llama_cpp.llama_n_ctx(handle)
         self.n_ctx_seq = llama_cpp.llama_n_ctx_seq(handle)
         self.n_batch = llama_cpp.llama_n_batch(handle)  # llama.cpp caps it at n_ctx
+        self.n_ubatch = llama_cpp.llama_n_ubatch(handle)
         self.kv_unified = kv_unified
         self.n_swa = llama_cpp.llama_model_n_swa(model.handle)
         self.n_rs_seq = llama_cpp.llama_n_rs_seq(handle)  # what llama.cpp granted (0 where unsupported)
@@ -343,7 +352,7 @@ class Context(_Owner):
         if llama_cpp.llama_set_adapters_lora(self.handle, handles, len(adapters), (ctypes.c_float * len(scales))(*scales)) != 0:
             raise ModelError("llama.cpp refused the LoRA adapter set (llama_set_adapters_lora)")
 
-    def decode(self, batch: Batch) -> None:
+    def decode(self, batch: Decodable) -> None:
         backend.process.decoded = True
         mark = len(backend.log.warnings)
         code = awaiting_backends(llama_cpp.llama_decode, self.handle, batch.struct)

@@ -109,7 +109,7 @@ class Composer:
         decode. As in a mixed step, decoders wait for at most n_batch prompt tokens between their steps."""
         if prefilling and (not generating or self._prefilled_since_decode < self.n_batch):
             seq = prefilling[0]
-            n, checkpoint = self._stop_at_checkpoint(seq, max(1, self._fit_outputs(seq, min(seq.n_pending, self.n_batch), 0)))
+            n, checkpoint = self._stop_at_checkpoint(seq, max(1, self._fit_outputs(seq, min(seq.text_ahead if seq.media else seq.n_pending, self.n_batch), 0)))
             self._prefilled_since_decode += n
             return _step({seq: n}, False, draws, special, frozenset([seq.uid]) if checkpoint else frozenset(), 0)
         self._prefilled_since_decode = 0
@@ -138,10 +138,11 @@ def _step(chunks: dict[Sequence, int], plain: bool, draws: bool, special: bool, 
 
 
 def _want(seq: Sequence) -> int:
-    """The prompt tokens a prefilling sequence may take now: the rest of its prompt, or up to
-    where its followers wait for it to pause."""
+    """The prompt tokens a prefilling sequence may take now: the rest of its prompt, up to its
+    next image (read apart: Stepper._read_images) or where its followers wait for it to pause."""
+    n = seq.text_ahead if seq.media else seq.n_pending
     cap = seq.prefix_cap
-    return min(seq.n_pending, cap - seq.n_past) if cap else seq.n_pending
+    return min(n, cap - seq.n_past) if cap else n
 
 
 def _held_back(generating: list[Sequence], prefilling: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:

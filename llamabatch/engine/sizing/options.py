@@ -59,6 +59,8 @@ class EngineOptions:
     rpc_timeout: float | None = None
     chat: bool | None = None
     chat_template: str | None = None  # a Jinja file, or a llama.cpp built-in's name
+    mmproj: str | None = None  # the multimodal projector GGUF
+    mmproj_offload: bool | None = None
     max_itl: str | None = None  # a duration (150ms): --parallel auto keeps p95 inter-token latency within it
     step_target: str | None = None  # a duration, auto or off; default: --max-itl when given
     verbose: bool = False

@@ -1,0 +1,183 @@
+"""Owners of libmtmd's handles: the projector that reads images into embeddings the text model
+takes, and the batch those embeddings are decoded from."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+import llama_cpp.mtmd_cpp as mtmd
+import numpy as np
+
+from ...catalog import check_gguf
+from ...errors import ModelError, PromptError
+from . import backend
+from .handles import Context, Model, _Owner
+
+# Where a prompt's text shows its next image (libmtmd's default marker, set on the projector).
+IMAGE_MARKER = "<__media__>"
+
+# Encoded images kept for the next prompt that shows the same one (the same photo asked about
+# by several questions is encoded once): a few of a 7B model's 576-token images.
+ENCODED_CACHE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class Encoded:
+    """One image as the text model takes it: a row of embeddings per position it fills."""
+
+    key: str  # libmtmd's id for it: a hash of its pixels
+    embeddings: np.ndarray  # (n_tokens, n_embd) float32
+    non_causal: bool  # its positions attend to each other both ways (Gemma 3's images)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.embeddings)
+
+
+Piece = list[int] | Encoded  # a prompt read by the projector: text tokens and images, in order
+
+
+class Projector(_Owner):
+    """A multimodal projector (an mmproj GGUF) for one text model: prompts with images become
+    text tokens and encoded images. Encoding takes a lock: libmtmd's context runs one at a time."""
+
+    kind = "projector"
+
+    def __init__(self, path: Path, model: Model, n_threads: int, offload: bool = True) -> None:
+        check_gguf(path)
+        backend.route_log(mtmd.mtmd_log_set)
+        backend.route_log(mtmd.mtmd_helper_log_set)
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu, params.n_threads, params.print_timings = offload, n_threads, False
+        params.media_marker = IMAGE_MARKER.encode()
+        with backend.log.capture() as log:
+            handle = mtmd.mtmd_init_from_file(str(path).encode(), model.handle, params)
+        if not handle:
+            said = [line for line in log if "error" in line.lower() or "failed" in line.lower()]
+            raise ModelError(f"cannot load the projector {path}: {said[-1].strip() if said else 'libmtmd refused it (--verbose shows why)'}")
+        super().__init__(handle)
+        if mtmd.mtmd_decode_use_mrope(handle):
+            self.close()
+            raise ModelError(f"the projector {path.name} places images with M-RoPE (Qwen2-VL and its kin): llamabatch does not decode those yet")
+        self.path = path
+        self.vision = bool(mtmd.mtmd_support_vision(handle))
+        self.marker = IMAGE_MARKER
+        self.n_embd = llama_cpp.llama_model_n_embd_inp(model.handle)
+        self.n_encoded = 0  # images encoded (a cached one is not encoded again)
+        self._lock = threading.Lock()
+        self._encoded: OrderedDict[str, Encoded] = OrderedDict()
+
+    def _free(self, handle) -> None:
+        mtmd.mtmd_free(handle)
+
+    def read(self, text: str, images: list[bytes], add_special: bool) -> list[Piece]:
+        """The prompt's text tokens and its images, encoded, in order: each marker in `text` is
+        the next image. An image libmtmd cannot decode is refused (PromptError), naming which."""
+        if not self.vision:
+            raise PromptError(f"the projector {self.path.name} reads no images")
+        if text.count(self.marker) != len(images):
+            raise PromptError(f"the prompt has {text.count(self.marker)} image markers for {len(images)} images (each {self.marker} is the next image)")
+        with self._lock:
+            bitmaps = [self._bitmap(data, k) for k, data in enumerate(images)]
+            chunks = mtmd.mtmd_input_chunks_init()
+            try:
+                data = text.encode()
+                words = mtmd.mtmd_input_text(text=data, text_len=len(data), add_special=add_special, parse_special=True)
+                array = (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
+                code = mtmd.mtmd_tokenize(self.handle, chunks, ctypes.byref(words), array, len(bitmaps))
+                if code != 0:
+                    raise PromptError(f"the projector could not read the prompt with its images (libmtmd's mtmd_tokenize returned {code})")
+                return [self._piece(mtmd.mtmd_input_chunks_get(chunks, i)) for i in range(mtmd.mtmd_input_chunks_size(chunks))]
+            finally:
+                mtmd.mtmd_input_chunks_free(chunks)
+                for bitmap in bitmaps:
+                    mtmd.mtmd_bitmap_free(bitmap)
+
+    def _bitmap(self, data: bytes, k: int):
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        with backend.log.capture():
+            bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.handle, buffer, len(data), False)
+        if not bitmap:
+            raise PromptError(f"image {k + 1}: not an image libmtmd can decode (JPEG, PNG, BMP, GIF, ...), {len(data)} bytes")
+        return bitmap
+
+    def _piece(self, chunk) -> Piece:
+        kind = mtmd.mtmd_input_chunk_get_type(chunk)
+        if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+            n = ctypes.c_size_t()
+            tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+            return tokens[: n.value]
+        if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+            raise PromptError("audio input is not supported yet")
+        key = mtmd.mtmd_input_chunk_get_id(chunk).decode()
+        found = self._encoded.get(key)
+        if found is not None:
+            self._encoded.move_to_end(key)
+            return found
+        n_tokens = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+        with backend.log.capture():
+            code = mtmd.mtmd_encode_chunk(self.handle, chunk)
+        if code != 0:
+            raise PromptError(f"the projector could not encode an image (libmtmd's mtmd_encode_chunk returned {code})")
+        rows = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(self.handle), shape=(n_tokens, self.n_embd)).copy()
+        encoded = Encoded(key, rows, bool(mtmd.mtmd_decode_use_non_causal(self.handle, chunk)))
+        self.n_encoded += 1
+        self._keep(encoded)
+        return encoded
+
+    def _keep(self, encoded: Encoded) -> None:
+        self._encoded[encoded.key] = encoded
+        while sum(e.embeddings.nbytes for e in self._encoded.values()) > ENCODED_CACHE_BYTES and len(self._encoded) > 1:
+            self._encoded.popitem(last=False)
+
+
+class EmbeddingBatch(_Owner):
+    """A llama_batch of embedding rows (an image's), one sequence, no logits: decoded into a
+    sequence's positions as its tokens would be."""
+
+    kind = "embedding batch"
+
+    def __init__(self, capacity: int, n_embd: int) -> None:
+        struct = llama_cpp.llama_batch_init(capacity, n_embd, 1)
+        super().__init__(struct)
+        self.capacity, self.n_embd = capacity, n_embd
+        self.embd = np.ctypeslib.as_array(struct.embd, shape=(capacity, n_embd))
+        self.pos = np.ctypeslib.as_array(struct.pos, shape=(capacity,))
+        self.logits = np.ctypeslib.as_array(struct.logits, shape=(capacity,))
+        np.ctypeslib.as_array(struct.n_seq_id, shape=(capacity,))[:] = 1
+        self._seq_ids = [struct.seq_id[i] for i in range(capacity)]
+        self.n_tokens = 0
+
+    def _free(self, struct) -> None:
+        llama_cpp.llama_batch_free(struct)
+
+    @property
+    def struct(self) -> llama_cpp.llama_batch:
+        struct = self.handle
+        struct.n_tokens = self.n_tokens
+        return struct
+
+    def decode(self, ctx: Context, encoded: Encoded, seq_id: int, n_past: int) -> None:
+        """Decode the image into seq_id's positions n_past .. n_past + n_tokens - 1, in pieces of
+        the batch's capacity (an image attended both ways must fit one: Intake checks). Raises
+        DecodeError as Context.decode does (code 1: no room in the KV cache for it)."""
+        if encoded.non_causal:
+            llama_cpp.llama_set_causal_attn(ctx.handle, False)
+        try:
+            for start in range(0, encoded.n_tokens, self.capacity):
+                rows = encoded.embeddings[start : start + self.capacity]
+                n = self.n_tokens = len(rows)
+                self.embd[:n] = rows
+                self.pos[:n] = np.arange(n_past + start, n_past + start + n)
+                self.logits[:n] = 0
+                for i in range(n):
+                    self._seq_ids[i][0] = seq_id
+                ctx.decode(self)
+        finally:
+            if encoded.non_causal:
+                llama_cpp.llama_set_causal_attn(ctx.handle, True)

@@ -1,0 +1,284 @@
+"""Images through a multimodal projector (libmtmd): a tiny random-weight projector of LLaVA's kind
+beside the tiny text model; small images made here. Greedy tokens are checked against
+llama.cpp's own llama-mtmd-cli on the same files."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from llamabatch.engine import BatchEngine, ImagePrompt, SamplingParams
+from llamabatch.errors import LlamabatchError, ModelError
+from llamabatch.measure.sweep import native_tool
+from tiny_model import FAMILIES, write_tiny_family, write_tiny_model, write_tiny_projector
+
+MARKER = "<__media__>"
+MTMD_CLI_ATTEMPTS = 50
+
+
+def png(color: tuple[int, int, int], size: tuple[int, int] = (40, 30)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+RED, GREEN = png((200, 10, 10)), png((10, 200, 10))
+
+
+@pytest.fixture(scope="module")
+def projector(tmp_path_factory) -> Path:
+    return write_tiny_projector(tmp_path_factory.mktemp("mmproj") / "mmproj.gguf")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, projector):
+    with BatchEngine(tiny_model, mmproj=projector, n_parallel=8, n_ctx=2048, chat=True) as engine:
+        yield engine
+
+
+def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def test_an_image_is_read_into_its_positions_and_changes_what_follows(engine):
+    """The same question about two images: the image's positions count as prompt tokens, and
+    the first token's log-probability differs (each image reached the text model)."""
+    seqs = engine.submit([ImagePrompt("what is it", (RED,)), ImagePrompt("what is it", (GREEN,)), "what is it"],
+                         greedy(2, logprobs=1))
+    for _ in engine.run():
+        pass
+    red, green, text = seqs
+    assert [s.finish_reason for s in seqs] == ["length"] * 3
+    assert [span.end - span.start for span in red.media] == [4]  # (28 / 14)² positions per image
+    assert red.n_prompt == green.n_prompt >= text.n_prompt + 4  # the text around it may tokenize apart
+    assert red.logprobs[0].logprob != green.logprobs[0].logprob
+
+
+def test_a_shared_image_is_encoded_once_and_read_once(engine):
+    """Eight questions about one photo: encoded once (by its pixels' hash), decoded into one
+    sequence's memory once, and the rest copy that prefix as they would text."""
+    photo = png((1, 2, 3))
+    encoded, read = engine.images_encoded, engine.stats.images_read
+    results = engine.generate([ImagePrompt(f"question {k}", (photo,)) for k in range(8)], greedy(4))
+    assert all(r.error is None and r.completion_tokens == 4 for r in results)
+    assert engine.images_encoded - encoded == 1
+    assert engine.stats.images_read - read == 1
+    assert all(r.cached_tokens > 4 for r in results[1:])  # the image's 4 positions among what each copied
+
+
+def test_a_bad_image_fails_alone(engine):
+    good = ImagePrompt("what is it", (RED,))
+    results = engine.generate([good, ImagePrompt("and this", (b"not an image at all",)), "plain text"], greedy(4))
+    assert results[0].error is None and results[2].error is None
+    assert results[1].finish_reason == "error" and "image 1: not an image" in results[1].error
+
+
+@pytest.mark.parametrize("prompt, images, why", [
+    ("two markers " + MARKER + MARKER, (RED,), "2 image markers"),
+    ("one marker " + MARKER, (RED, GREEN), "1 image markers for 2 images"),
+])
+def test_markers_and_images_must_agree(engine, prompt, images, why):
+    (result,) = engine.generate([ImagePrompt(prompt, images)], greedy())
+    assert result.finish_reason == "error" and why in result.error
+
+
+def test_a_prompt_that_ends_with_an_image_is_refused(tiny_model, projector):
+    with BatchEngine(tiny_model, mmproj=projector, n_parallel=1, n_ctx=512) as engine:
+        (result,) = engine.generate([ImagePrompt("describe: " + MARKER, (RED,))], greedy())
+    assert result.finish_reason == "error" and "ends with an image" in result.error
+
+
+def test_a_model_without_a_projector_refuses_images(make_engine):
+    engine = make_engine(n_parallel=1)
+    (result,) = engine.generate([ImagePrompt("what is it", (RED,))], greedy())
+    assert result.finish_reason == "error" and "--mmproj" in result.error
+
+
+def test_a_projector_that_is_not_one_is_refused_at_load(tiny_model, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ModelError, match="cannot load the projector"):
+        BatchEngine(tiny_model, mmproj=bad, n_parallel=1, n_ctx=512)
+    with pytest.raises(ModelError, match="not found"):
+        BatchEngine(tiny_model, mmproj=tmp_path / "missing.gguf", n_parallel=1, n_ctx=512)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_images_on_every_family(arch, tmp_path, projector):
+    """Recurrent and hybrid memory take an image's embeddings as a prompt's tokens: three
+    sequences, two showing the same image, beside a text one. Qwen3.5 places positions with
+    M-RoPE, which llamabatch does not decode yet: refused at load, saying so."""
+    model = write_tiny_family(tmp_path / f"{arch}.gguf", arch)
+    if arch == "qwen35":
+        with pytest.raises(ModelError, match="M-RoPE"):
+            BatchEngine(model, mmproj=projector, n_parallel=1, n_ctx=512)
+        return
+    with BatchEngine(model, mmproj=projector, n_parallel=3, n_ctx=1536) as engine:
+        results = engine.generate([ImagePrompt("what is it", (RED,)), ImagePrompt("and this", (RED,)), "text"], greedy(6))
+    assert [r.error for r in results] == [None] * 3
+    assert all(r.completion_tokens == 6 or r.finish_reason == "stop" for r in results)
+
+
+def _mtmd_cli_built() -> bool:
+    try:
+        return native_tool("llama-mtmd-cli").is_file()
+    except LlamabatchError:
+        return False
+
+
+def _mtmd_cli_reply(model: Path, projector: Path, image: Path, prompt: str, n: int) -> bytes:
+    """llama-mtmd-cli's greedy reply. Its log thread is not flushed at exit, so a run may lose
+    the end of its output (here, about one run in two): a whole one ends with the reply's
+    closing line and the CLI's. A run takes a tenth of a second."""
+    marker = b"@@@REPLY@@@"
+    for _ in range(MTMD_CLI_ATTEMPTS):
+        done = subprocess.run(
+            [str(native_tool("llama-mtmd-cli")), "-m", str(model), "--mmproj", str(projector), "--image", str(image),
+             "-p", prompt, "-n", str(n), "--temp", "0", "-c", "1024", "-t", "2", "--no-warmup"],
+            capture_output=True, timeout=300, env={**os.environ, "MTMD_TEST_RESPONSE_MARKER": marker.decode()},
+        )
+        assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+        _, shown, printed = done.stdout.partition(marker + b"\n")
+        if shown and printed.endswith(b"\n\n"):  # the line the prompt's evaluation ends with, the reply, its end
+            return printed.removeprefix(b"\n").rstrip(b"\n")
+    raise AssertionError(f"llama-mtmd-cli lost its output {MTMD_CLI_ATTEMPTS} times")
+
+
+# ChatML whose generation prompt ends inside an expression: a template's own last newline is
+# kept by llama.cpp's renderer and dropped by Jinja2's (and transformers'), which the tests'
+# CHATML ends with.
+CHATML_QUOTED = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{{ '<|im_start|>assistant\\n' }}"
+
+
+@pytest.mark.skipif(not _mtmd_cli_built(), reason="llama-mtmd-cli not built (scripts/build_native.sh; CI builds it)")
+def test_greedy_tokens_equal_llama_mtmd_cli(projector, tmp_path):
+    """`run --chat --image` and the engine underneath give llama-mtmd-cli's reply, byte for byte,
+    for two images and two questions decoded together."""
+    # seed 4: a model whose replies to the two differ from their second token
+    tiny_model = write_tiny_model(tmp_path / "tiny.gguf", chat_template=CHATML_QUOTED, seed=4)
+    cases = [("what is it", (200, 10, 10)), ("and what is this", (10, 200, 10))]
+    files = []
+    for k, (_, color) in enumerate(cases):
+        files.append(tmp_path / f"{k}.png")
+        files[-1].write_bytes(png(color))
+    expected = [_mtmd_cli_reply(tiny_model, projector, path, prompt, 12) for (prompt, _), path in zip(cases, files)]
+    with BatchEngine(tiny_model, mmproj=projector, n_parallel=2, n_ctx=2048, chat=True) as engine:
+        seqs = engine.submit([ImagePrompt(p, (f.read_bytes(),)) for (p, _), f in zip(cases, files)], greedy(12))
+        for _ in engine.run():
+            pass
+        got = [b"".join(engine.vocab.piece(t) for t in s.tokens[s.n_prompt:] if not engine.vocab.is_eog(t)) for s in seqs]
+    assert got == expected and expected[0] != expected[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "llamabatch", "run", "-m", str(tiny_model), "--mmproj", str(projector), "--chat",
+         "--parallel", "2", "--ctx", "2048", "--max-tokens", "12", "--temperature", "0", "--json",
+         *[a for (p, _), f in zip(cases, files) for a in ("-p", p)], *[a for f in files for a in ("--image", str(f))]],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["text"] for line in lines[:2]] == [e.decode(errors="replace") for e in expected]
+    assert lines[2]["summary"]["images_encoded"] == 2 and lines[2]["summary"]["images_read"] == 2
+
+
+# -- the server: OpenAI's image_url parts, through the official client ------------------------
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+@pytest.fixture(scope="module")
+def image_server(serve, projector) -> str:
+    return serve(n_parallel=4, engine_extra={"mmproj": projector})
+
+
+def test_a_chat_with_an_image_answers_as_the_engine_does(image_server, tiny_model, projector):
+    """The official client sends a text part and an image_url part (a data: URL): the answer is
+    the engine's own for the same rendered prompt, and usage counts the image's positions."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{image_server}/v1", api_key="none")
+    content = [{"type": "text", "text": "what is it"}, {"type": "image_url", "image_url": {"url": data_url(RED)}}]
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0)
+    with BatchEngine(tiny_model, mmproj=projector, n_parallel=1, n_ctx=512, chat=True) as engine:
+        (expected,) = engine.generate([ImagePrompt("what is it\n" + MARKER, (RED,))], greedy(8))
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.prompt_tokens == expected.prompt_tokens
+
+
+def test_a_bad_image_in_a_chat_is_a_400_naming_it(image_server):
+    import httpx
+
+    def ask(url: str) -> httpx.Response:
+        content = [{"type": "text", "text": "what"}, {"type": "image_url", "image_url": {"url": url}}]
+        return httpx.post(f"{image_server}/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": content}], "max_tokens": 4})
+
+    for url, why in ((data_url(b"not an image"), "not an image"), ("https://example.com/cat.png", "remote image URLs are not fetched"),
+                     ("data:image/png;base64,@@@", "base64")):
+        answer = ask(url)
+        assert answer.status_code == 400 and why in answer.text, (url, answer.text)
+    assert ask(data_url(GREEN)).status_code == 200  # and the server goes on
+
+
+def test_an_anthropic_image_block_is_read_as_openai_s_image_part(image_server, tiny_model, projector):
+    """The official anthropic client's base64 image block after a text block: the same answer as
+    OpenAI's image_url part in that place, and count_tokens counts the image's positions."""
+    from anthropic import Anthropic
+
+    client = Anthropic(base_url=image_server, api_key="none")
+    content = [{"type": "text", "text": "what is it"},
+               {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(RED).decode()}}]
+    reply = client.messages.create(model="tiny", max_tokens=8, extra_body={"temperature": 0}, messages=[{"role": "user", "content": content}])
+    counted = client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": content}])
+    with BatchEngine(tiny_model, mmproj=projector, n_parallel=1, n_ctx=512, chat=True) as engine:
+        (expected,) = engine.generate([ImagePrompt("what is it\n" + MARKER, (RED,))], greedy(8))
+    assert reply.content[0].text == expected.text
+    assert counted.input_tokens == expected.prompt_tokens
+
+
+def test_a_responses_input_image_is_read_as_the_chat_s_image_part(image_server, tiny_model, projector):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{image_server}/v1", api_key="none")
+    content = [{"type": "input_text", "text": "what is it"}, {"type": "input_image", "image_url": data_url(RED)}]
+    reply = client.responses.create(model="tiny", input=[{"role": "user", "content": content}], max_output_tokens=8, temperature=0)
+    with BatchEngine(tiny_model, mmproj=projector, n_parallel=1, n_ctx=512, chat=True) as engine:
+        (expected,) = engine.generate([ImagePrompt("what is it\n" + MARKER, (RED,))], greedy(8))
+    assert reply.output_text == expected.text
+    assert reply.usage.input_tokens == expected.prompt_tokens
+
+
+def test_a_batch_job_of_chat_lines_with_images(tiny_model, projector, tmp_path):
+    """`batch --mmproj` over OpenAI chat lines with image_url parts: each answers as the engine
+    does; a line with an image that is no image goes to the error file, naming it."""
+    from typer.testing import CliRunner
+
+    from llamabatch.cli import app
+
+    def line(custom_id: str, image: bytes) -> str:
+        content = [{"type": "text", "text": "what is it"}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0}})
+
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join([line("red", RED), line("junk", b"junk"), line("green", GREEN)]) + "\n")
+    done = CliRunner().invoke(app, ["batch", str(source), "-o", str(tmp_path / "out.jsonl"), "-m", str(tiny_model),
+                                    "--mmproj", str(projector), "--ctx", "2048", "--parallel", "2"])
+    assert done.exit_code == 1, done.output  # a line failed
+    out = {json.loads(x)["custom_id"]: json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()}
+    errors = {json.loads(x)["custom_id"]: json.loads(x) for x in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()}
+    assert sorted(out) == ["green", "red"] and sorted(errors) == ["junk"]
+    assert "image 1: not an image" in errors["junk"]["error"]["message"]
+    with BatchEngine(tiny_model, mmproj=projector, n_parallel=1, n_ctx=512, chat=True) as engine:
+        expected = engine.generate([ImagePrompt("what is it\n" + MARKER, (image,)) for image in (RED, GREEN)], greedy(6))
+    for custom_id, want in zip(("red", "green"), expected):
+        assert out[custom_id]["response"]["body"]["choices"][0]["message"]["content"] == want.text
