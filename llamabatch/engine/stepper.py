@@ -21,6 +21,7 @@ from .scheduling.fillers import Filler
 from .scheduling.scheduler import Scheduler
 from .sequence import Sequence, Status
 from .memory.reuse import PrefixReuse
+from .media import MediaSpan
 from .step import Step
 
 # A step that decodes nothing fails the sequences it carried; this many in a row (different
@@ -177,28 +178,41 @@ class Stepper:
         return [self.post.fail(seq, message) for seq in dict.fromkeys(carried + stranded) if seq.status is not Status.FINISHED]
 
     def _read_images(self, events: list[Event]) -> int:
-        """Each running sequence whose next positions are an image's has it decoded now, on its
-        own (a batch holds tokens or embeddings, not both): the step then carries its text after
-        the image beside everyone's tokens. One that does not fit the KV cache fails alone.
-        Returns the positions read."""
+        """Each running sequence whose next positions are an image's has it decoded now (a batch
+        holds tokens or embeddings, not both), the images of all such sequences together: the
+        step then carries their text after the image beside everyone's tokens. When that
+        decode fails, each image is decoded alone, and one that still fails (no room in the KV
+        cache) fails its sequence alone. Returns the positions read."""
         read = 0
-        for seq in [s for s in self.scheduler.running if s.media and s.leader is None]:
-            span = seq.media_at()
-            while span is not None:
-                try:
-                    self.media_batch.decode(self.ctx, span.image, seq.seq_id, span.start)
-                except DecodeError as e:
-                    self._undo([seq])
-                    events.append(self.post.fail(seq, f"reading its image: {e}"))
-                    break
+        while True:
+            due = [(seq, span) for seq in self.scheduler.running
+                   if seq.media and seq.leader is None and (span := seq.media_at()) is not None]
+            if not due:
+                return read
+            try:
+                self.media_batch.decode(self.ctx, [(span.image, seq.seq_id, span.start) for seq, span in due])
+            except DecodeError:
+                self._undo([seq for seq, _ in due])
+                due = [(seq, span) for seq, span in due if self._read_alone(seq, span, events)]
+            for seq, span in due:
                 seq.advance(span.image.n_tokens)
                 read += span.image.n_tokens
                 self.stats.images_read += 1
                 self.stats.prompt_tokens_evaluated += span.image.n_tokens
                 for follower in [f for f in seq.followers if f.n_shared == seq.n_past]:
                     self._share_prefix(seq, follower, -1, [], [])
-                span = seq.media_at()
-        return read
+
+    def _read_alone(self, seq: Sequence, span: MediaSpan, events: list[Event]) -> bool:
+        """One image decoded on its own; False when it fails (its sequence ends with why)."""
+        if seq.n_past != span.start:  # memory put back to a checkpoint before it: read from there
+            return False
+        try:
+            self.media_batch.decode(self.ctx, [(span.image, seq.seq_id, span.start)])
+        except DecodeError as e:
+            self._undo([seq])
+            events.append(self.post.fail(seq, f"reading its image: {e}"))
+            return False
+        return True
 
     def _propose_drafts(self) -> list[Sequence] | None:
         """Drafts where the speculator plans them; their rows must fit the batch beside every

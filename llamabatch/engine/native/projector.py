@@ -136,9 +136,12 @@ class Projector(_Owner):
             self._encoded.popitem(last=False)
 
 
+Placed = tuple[Encoded, int, int]  # an image, the sequence it goes to, its first position there
+
+
 class EmbeddingBatch(_Owner):
-    """A llama_batch of embedding rows (an image's), one sequence, no logits: decoded into a
-    sequence's positions as its tokens would be."""
+    """A llama_batch of embedding rows (images'), no logits: decoded into sequences' positions
+    as their tokens would be."""
 
     kind = "embedding batch"
 
@@ -148,7 +151,7 @@ class EmbeddingBatch(_Owner):
         self.capacity, self.n_embd = capacity, n_embd
         self.embd = np.ctypeslib.as_array(struct.embd, shape=(capacity, n_embd))
         self.pos = np.ctypeslib.as_array(struct.pos, shape=(capacity,))
-        self.logits = np.ctypeslib.as_array(struct.logits, shape=(capacity,))
+        np.ctypeslib.as_array(struct.logits, shape=(capacity,))[:] = 0
         np.ctypeslib.as_array(struct.n_seq_id, shape=(capacity,))[:] = 1
         self._seq_ids = [struct.seq_id[i] for i in range(capacity)]
         self.n_tokens = 0
@@ -162,22 +165,41 @@ class EmbeddingBatch(_Owner):
         struct.n_tokens = self.n_tokens
         return struct
 
-    def decode(self, ctx: Context, encoded: Encoded, seq_id: int, n_past: int) -> None:
-        """Decode the image into seq_id's positions n_past .. n_past + n_tokens - 1, in pieces of
-        the batch's capacity (an image attended both ways must fit one: Intake checks). Raises
-        DecodeError as Context.decode does (code 1: no room in the KV cache for it)."""
-        if encoded.non_causal:
-            llama_cpp.llama_set_causal_attn(ctx.handle, False)
-        try:
-            for start in range(0, encoded.n_tokens, self.capacity):
-                rows = encoded.embeddings[start : start + self.capacity]
-                n = self.n_tokens = len(rows)
-                self.embd[:n] = rows
-                self.pos[:n] = np.arange(n_past + start, n_past + start + n)
-                self.logits[:n] = 0
-                for i in range(n):
-                    self._seq_ids[i][0] = seq_id
-                ctx.decode(self)
-        finally:
-            if encoded.non_causal:
-                llama_cpp.llama_set_causal_attn(ctx.handle, True)
+    def decode(self, ctx: Context, placed: list[Placed]) -> None:
+        """Decode images into their sequences' positions. Images attended one way share decodes
+        of up to `capacity` rows (one may span two); one attended both ways is decoded alone
+        and whole (Intake checks that it fits a micro-batch). Raises DecodeError as
+        Context.decode does (code 1: no room in the KV cache); what went in before stays."""
+        n = 0
+        for image, seq_id, first in placed:
+            if image.non_causal:
+                n = self._flush(ctx, n)
+                self._put(0, image.embeddings, seq_id, first)
+                llama_cpp.llama_set_causal_attn(ctx.handle, False)
+                try:
+                    self._flush(ctx, image.n_tokens)
+                finally:
+                    llama_cpp.llama_set_causal_attn(ctx.handle, True)
+                continue
+            start = 0
+            while start < image.n_tokens:
+                rows = image.embeddings[start : start + self.capacity - n]
+                self._put(n, rows, seq_id, first + start)
+                n, start = n + len(rows), start + len(rows)
+                if n == self.capacity:
+                    n = self._flush(ctx, n)
+        self._flush(ctx, n)
+
+    def _put(self, at: int, rows: np.ndarray, seq_id: int, first: int) -> None:
+        n = len(rows)
+        self.embd[at : at + n] = rows
+        self.pos[at : at + n] = np.arange(first, first + n)
+        for i in range(at, at + n):
+            self._seq_ids[i][0] = seq_id
+
+    def _flush(self, ctx: Context, n: int) -> int:
+        """Decode the first n rows (none: nothing); returns 0, the rows left."""
+        if n:
+            self.n_tokens = n
+            ctx.decode(self)
+        return 0
