@@ -10,8 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp
-import llama_cpp.mtmd_cpp as mtmd
 import numpy as np
+
+try:  # a binding built without libmtmd still serves text
+    import llama_cpp.mtmd_cpp as mtmd
+except (ImportError, OSError):  # the module, or the library it loads
+    mtmd = None  # type: ignore[assignment]
 
 from ...catalog import check_gguf
 from ...errors import ModelError, PromptError
@@ -50,6 +54,8 @@ class Projector(_Owner):
 
     def __init__(self, path: Path, model: Model, n_threads: int, offload: bool = True) -> None:
         check_gguf(path)
+        if mtmd is None:
+            raise ModelError("this llama-cpp-python was built without libmtmd (llama_cpp.mtmd_cpp): it cannot load a projector")
         backend.route_log(mtmd.mtmd_log_set)
         backend.route_log(mtmd.mtmd_helper_log_set)
         params = mtmd.mtmd_context_params_default()
