@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from conftest import free_port
+from llamabatch.serve.access import Access
 from test_server import metric
 
 FINAL = ("completed", "failed", "cancelled", "expired")
@@ -190,7 +191,7 @@ def test_a_file_an_unfinished_batch_reads_cannot_be_deleted(api):
 
 
 def test_every_batch_route_wants_the_api_key(serve, tmp_path):
-    base = serve(data_dir=tmp_path, api_key="secret")
+    base = serve(data_dir=tmp_path, access=Access(api_keys=frozenset({"secret"})))
     routes = [("post", "/v1/files"), ("get", "/v1/files"), ("get", "/v1/files/f"), ("delete", "/v1/files/f"),
               ("get", "/v1/files/f/content"), ("post", "/v1/batches"), ("get", "/v1/batches"), ("get", "/v1/batches/b"),
               ("post", "/v1/batches/b/cancel")]

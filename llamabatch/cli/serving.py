@@ -21,6 +21,7 @@ from ..errors import LlamabatchError
 from .options import BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, ChatTemplateOpt, MmprojOffloadOpt, MmprojOpt, CheckpointEveryOpt, CheckpointMemoryOpt, StepTargetOpt, CacheRamOpt, CacheDirOpt, CacheDiskOpt, CtxOpt, CtxPerSeqOpt, DeterministicOpt, DraftMaxOpt, DraftModelOpt, EmbedPackOpt, FlashAttnOpt, GpuLayersOpt, KvUnifiedOpt, LoraOpt, MaxItlOpt, ParallelOpt, ReplicasOpt, RpcOpt, RpcTimeoutOpt, SharePrefixesOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt, UbatchOpt, VerboseOpt, parse_pooling, parse_replicas, reports_errors
 
 if TYPE_CHECKING:  # the server's imports load only when serving
+    from ..serve.access import Access
     from ..serve.app import ServerSettings
 
 
@@ -45,7 +46,16 @@ def serve(
     max_itl: MaxItlOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
-    api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
+    api_key: Annotated[Optional[list[str]], typer.Option(
+        help="Ask every route but /health (and /metrics) for 'Authorization: Bearer KEY' or 'x-api-key: KEY' (repeatable).")] = None,
+    api_key_file: Annotated[Optional[Path], typer.Option(help="API keys, one a line (# starts a comment), beside any --api-key.")] = None,
+    private_metrics: Annotated[bool, typer.Option(help="/metrics asks for an API key too.")] = False,
+    cors_origin: Annotated[Optional[list[str]], typer.Option(
+        help="A browser origin allowed to call the server (repeatable; * for any). None: no CORS.")] = None,
+    cors_methods: Annotated[str, typer.Option(help="With --cors-origin: the methods allowed, comma-separated.")] = "GET,POST,DELETE",
+    cors_headers: Annotated[str, typer.Option(help="With --cors-origin: the request headers allowed, comma-separated (* for any).")] = "*",
+    ssl_certfile: Annotated[Optional[Path], typer.Option(help="Serve HTTPS with this certificate (PEM), with --ssl-keyfile.")] = None,
+    ssl_keyfile: Annotated[Optional[Path], typer.Option(help="The certificate's private key (PEM).")] = None,
     max_queue: Annotated[int, typer.Option(help="Sequences (and embedding requests) that may wait; beyond, requests get 429.")] = 256,
     request_timeout: Annotated[float, typer.Option(help="Seconds before a request is cancelled (504).")] = 600.0,
     shutdown_timeout: Annotated[float, typer.Option(
@@ -124,7 +134,9 @@ def serve(
         raise LlamabatchError("--data-dir is for the Batch API of one server; replicas (--replicas) serve no batches")
     if shutdown_timeout < 0:
         raise LlamabatchError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
-    settings = ServerSettings(engine=engine, api_key=api_key, max_queue=max_queue, request_timeout=request_timeout,
+    access = _access(api_key, api_key_file, private_metrics, cors_origin, cors_methods, cors_headers)
+    tls = _tls(ssl_certfile, ssl_keyfile, replicas)
+    settings = ServerSettings(engine=engine, access=access, max_queue=max_queue, request_timeout=request_timeout,
                               shutdown_timeout=shutdown_timeout,
                               pooling=parse_pooling(pooling), max_upload=max_upload_mb << 20, reasoning_budget=reasoning_budget,
                               data_dir=None if replicas is not None else data_dir or default_data_dir(),
@@ -134,8 +146,38 @@ def serve(
         _serve_replicas(settings, parse_replicas(replicas), ray or "local", host, port)
         return
     app = create_app(settings)
-    display.err.print(f"llamabatch serving on http://{host}:{port}/v1 (Ctrl-C stops)")
-    serve_until_stopped(app, host, port, "info" if verbose else "warning", shutdown_timeout)
+    display.err.print(f"llamabatch serving on {'https' if tls else 'http'}://{host}:{port}/v1 (Ctrl-C stops)")
+    serve_until_stopped(app, host, port, "info" if verbose else "warning", shutdown_timeout, tls)
+
+
+def _access(keys: list[str] | None, key_file: Path | None, private_metrics: bool, origins: list[str] | None,
+            methods: str, headers: str) -> Access:
+    """Who may call the server: the keys given and those of the file; the browser origins."""
+    from ..serve.access import Access, read_keys
+
+    every = [*(keys or ()), *(read_keys(key_file) if key_file is not None else ())]
+    if any(not key.strip() for key in every):
+        raise LlamabatchError("--api-key: an empty key would let anyone in")
+    if private_metrics and not every:
+        raise LlamabatchError("--private-metrics asks for an API key: give --api-key or --api-key-file")
+    if (methods, headers) != ("GET,POST,DELETE", "*") and not origins:
+        raise LlamabatchError("--cors-methods and --cors-headers apply to the origins --cors-origin allows: give one")
+    split = lambda text: tuple(part.strip() for part in text.split(",") if part.strip())  # noqa: E731
+    return Access(frozenset(every), private_metrics, tuple(origins or ()), split(methods), split(headers))
+
+
+def _tls(certfile: Path | None, keyfile: Path | None, replicas: str | None) -> tuple[Path, Path] | None:
+    """The certificate and key HTTPS is served with, both or neither."""
+    if certfile is None and keyfile is None:
+        return None
+    if certfile is None or keyfile is None:
+        raise LlamabatchError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
+    for option, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        if not path.is_file():
+            raise LlamabatchError(f"{option}: file not found: {path}")
+    if replicas is not None:
+        raise LlamabatchError("--ssl-certfile with --replicas: Ray Serve's proxy serves plain HTTP (put a TLS proxy before it)")
+    return certfile, keyfile
 
 
 def _served_names(model: list[str] | None, models: str | None, config: Path | None) -> list[str]:

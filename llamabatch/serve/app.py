@@ -8,7 +8,6 @@ Events in OpenAI's chunk format. A client that goes away has its sequences cance
 from __future__ import annotations
 
 import asyncio
-import secrets
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from ..catalog import Catalog
 from ..engine import BatchEngine
 from ..engine.embedding import Pooling
 from ..openai_format import error_body, validation_message
+from .access import Access
 from .anthropic_api import anthropic_routes, error_body as anthropic_error_body
 from .batch_api import batch_routes, resume_batches
 from .metrics import Metrics
@@ -42,7 +42,7 @@ from .worker import EngineWorker
 @dataclass(frozen=True)
 class ServerSettings:
     engine: dict  # BatchEngine keyword arguments (model, n_parallel, n_ctx, ...) of the model served (the first, with several)
-    api_key: str | None = None
+    access: Access = Access()  # API keys and CORS
     max_queue: int = 256  # sequences (and embedding requests) waiting before requests get 429, per model
     request_timeout: float = 600.0  # seconds until a request is cancelled and answered 504
     shutdown_timeout: float = 30.0  # seconds requests may drain as the server stops (serve/shutdown.py)
@@ -88,7 +88,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="llamabatch", version=version("llamabatch"), lifespan=lifespan)
     app.state.models = models  # a Ray Serve replica starts and stops them itself (no lifespan there)
-    authorized = _authorization(settings.api_key)
+    authorized = settings.access.authorization()
+    settings.access.allow_origins(app)
     app.openapi = lambda: _openapi(app, models)
 
     @app.exception_handler(StarletteHTTPException)  # FastAPI's own too: a body that is not JSON, say
@@ -113,7 +114,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 return _error(e.status_code, str(e.detail))
         return {"status": "ok"}
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {}}}})
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {}}}},
+             dependencies=[Depends(authorized)] if settings.access.private_metrics else [])
     async def metrics_text():
         return Response(metrics.render(), media_type=metrics.content_type)
 
@@ -242,20 +244,6 @@ def _bound_token_ids(node, max_id: int | None, max_len: int | None) -> None:
     elif isinstance(node, list):
         for value in node:
             _bound_token_ids(value, max_id, max_len)
-
-
-def _authorization(api_key: str | None):
-    async def check(http: HttpRequest) -> None:
-        if api_key is None:
-            return
-        given = http.headers.get("authorization", "")
-        if secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            return
-        # Anthropic's clients send the key as x-api-key
-        if not secrets.compare_digest(http.headers.get("x-api-key", "").encode(), api_key.encode()):
-            raise HTTPException(401, "missing or wrong API key (Authorization: Bearer KEY, or x-api-key: KEY)")
-
-    return check
 
 
 def _error(status: int, message: str, kind: str | None = None, headers: dict | None = None, anthropic: bool = False) -> JSONResponse:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from pathlib import Path
 
 import uvicorn
 from uvicorn.server import STARTUP_FAILURE
@@ -52,11 +53,14 @@ class Server(uvicorn.Server):
             await asyncio.sleep(POLL_S)
 
 
-def serve_until_stopped(app, host: str, port: int, log_level: str, timeout: float) -> None:
+def serve_until_stopped(app, host: str, port: int, log_level: str, timeout: float, tls: tuple[Path, Path] | None = None) -> None:
     """Serve `app` (create_app's) on host:port until a signal, then stop in order with `timeout`
-    seconds to drain (as uvicorn.run, whose exit on a failed start it keeps)."""
+    seconds to drain (as uvicorn.run, whose exit on a failed start it keeps); `tls`: HTTPS with
+    this certificate and key."""
     # uvicorn's own wait for connections comes after the drain: by then only closing is left.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(ENDING_S))
+    certfile, keyfile = tls or (None, None)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(ENDING_S),
+                            ssl_certfile=certfile, ssl_keyfile=keyfile)
     server = Server(config, app.state.models, timeout)
     try:
         server.run()
