@@ -3,10 +3,12 @@ browser origins (CORS), and HTTPS (a real `llamabatch serve` with a certificate 
 
 from __future__ import annotations
 
+import json
 import shutil
 import ssl
 import subprocess
 import sys
+import threading
 import time
 
 import anthropic
@@ -16,6 +18,7 @@ import pytest
 
 from conftest import free_port
 from llamabatch.serve.access import Access
+from test_server import metric
 
 
 def test_api_keys_are_asked_on_every_route_but_health(serve):
@@ -107,3 +110,34 @@ def test_https_with_keys_from_a_file(tiny_model, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_waiting_stream_sends_keepalive_comments_and_clients_skip_them(serve):
+    """One slot, busy: a second stream waits in the queue, sending an SSE comment every 0.2 s
+    until its first token; the official client reads such a stream as if they were not there."""
+    base = serve(n_parallel=1, n_ctx=4096, keepalive=0.2)
+    body = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
+
+    def behind_a_busy_slot(read):
+        busy = threading.Thread(target=httpx.post, args=(f"{base}/v1/completions",),
+                                kwargs={"json": {"prompt": "hi", "max_tokens": 3000, "ignore_eos": True}, "timeout": 120})
+        busy.start()
+        while metric(base, "llamabatch_sequences_running") < 1:  # it holds the slot: the next one waits
+            time.sleep(0.01)
+        try:
+            return read()
+        finally:
+            busy.join()
+
+    def raw() -> list[str]:
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True, "ignore_eos": True}, timeout=120) as response:
+            return [line for line in response.iter_lines() if line]
+
+    lines = behind_a_busy_slot(raw)
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    assert first_data >= 2 and all(line == ": keep-alive" for line in lines[:first_data])
+    assert lines[-1] == "data: [DONE]"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="-", max_retries=0)
+    chunks = behind_a_busy_slot(lambda: list(client.completions.create(model="tiny", stream=True, extra_body={"ignore_eos": True}, **body)))
+    assert "".join(c.choices[0].text for c in chunks) == "".join(
+        json.loads(line[6:])["choices"][0]["text"] for line in lines if line.startswith("data: {"))

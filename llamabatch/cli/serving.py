@@ -58,6 +58,8 @@ def serve(
     ssl_keyfile: Annotated[Optional[Path], typer.Option(help="The certificate's private key (PEM).")] = None,
     max_queue: Annotated[int, typer.Option(help="Sequences (and embedding requests) that may wait; beyond, requests get 429.")] = 256,
     request_timeout: Annotated[float, typer.Option(help="Seconds before a request is cancelled (504).")] = 600.0,
+    sse_keepalive: Annotated[float, typer.Option(
+        help="Seconds of silence after which a stream sends an SSE comment (waiting in the queue, or behind a long prompt); 0: never.")] = 15.0,
     shutdown_timeout: Annotated[float, typer.Option(
         help="On Ctrl-C or SIGTERM: seconds the requests in flight may finish in (new ones get 503) before they end with an error; batches are left to resume.")] = 30.0,
     pooling: Annotated[Optional[str], typer.Option(help="/v1/embeddings: mean, cls or last (default: the GGUF's, else mean).")] = None,
@@ -136,7 +138,10 @@ def serve(
         raise LlamabatchError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
     access = _access(api_key, api_key_file, private_metrics, cors_origin, cors_methods, cors_headers)
     tls = _tls(ssl_certfile, ssl_keyfile, replicas)
+    if sse_keepalive < 0:
+        raise LlamabatchError(f"--sse-keepalive must be >= 0 seconds (0: never), got {sse_keepalive}")
     settings = ServerSettings(engine=engine, access=access, max_queue=max_queue, request_timeout=request_timeout,
+                              keepalive=sse_keepalive or None,
                               shutdown_timeout=shutdown_timeout,
                               pooling=parse_pooling(pooling), max_upload=max_upload_mb << 20, reasoning_budget=reasoning_budget,
                               data_dir=None if replicas is not None else data_dir or default_data_dir(),

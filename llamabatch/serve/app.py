@@ -45,6 +45,7 @@ class ServerSettings:
     access: Access = Access()  # API keys and CORS
     max_queue: int = 256  # sequences (and embedding requests) waiting before requests get 429, per model
     request_timeout: float = 600.0  # seconds until a request is cancelled and answered 504
+    keepalive: float | None = 15.0  # seconds of silence after which a stream sends an SSE comment (None: never)
     shutdown_timeout: float = 30.0  # seconds requests may drain as the server stops (serve/shutdown.py)
     pooling: Pooling | None = None  # /v1/embeddings: the GGUF's pooling, else mean, unless set
     data_dir: Path | None = None  # files and batches (OpenAI's Batch API); None: no batch API
@@ -73,7 +74,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     models = ModelPool(settings.served(), worker_for, max_loaded=settings.max_loaded, memory=settings.memory,
                        idle_unload=settings.idle_unload)
     metrics = Metrics(models.workers)
-    serving = Serving(models, metrics, settings.request_timeout)
+    serving = Serving(models, metrics, settings.request_timeout, settings.keepalive)
     store = Store(settings.data_dir) if settings.data_dir is not None else None
 
     @asynccontextmanager

@@ -30,8 +30,9 @@ from .worker import EngineUnavailable, EngineWorker, PoolingSubmission, QueueFul
 
 
 class Serving:
-    def __init__(self, models: ModelPool, metrics: Metrics, timeout: float) -> None:
-        self.models, self.metrics, self.timeout = models, metrics, timeout
+    def __init__(self, models: ModelPool, metrics: Metrics, timeout: float, keepalive: float | None = None) -> None:
+        """`keepalive`: seconds of silence after which a stream sends an SSE comment (None: never)."""
+        self.models, self.metrics, self.timeout, self.keepalive = models, metrics, timeout, keepalive
 
     # -- the model a request names ---------------------------------------------------------
 
@@ -62,7 +63,7 @@ class Serving:
     def stream(self, served: Served, chunks: AsyncIterator[str]) -> StreamingResponse:
         """Server-Sent Events, holding the model until the stream ends or its client leaves."""
         self.models.hold(served)
-        return _HeldStream(chunks, lambda: self.models.release(served))
+        return _HeldStream(chunks if self.keepalive is None else kept_alive(chunks, self.keepalive), lambda: self.models.release(served))
 
     @staticmethod
     def engine(served: Served) -> BatchEngine:
@@ -125,6 +126,41 @@ class Serving:
             raise as_http(e) from None
         except asyncio.TimeoutError:
             raise HTTPException(504, f"the embeddings took longer than {self.timeout:g} s") from None
+
+
+async def kept_alive(chunks: AsyncIterator[str], every: float) -> AsyncIterator[str]:
+    """The chunks, and an SSE comment after each `every` seconds without one: a stream waiting
+    in the queue or behind a long prompt shows proxies and clients that it lives (clients skip
+    comments). One task pumps the chunks through a one-place queue, so a slow reader still holds
+    the stream back."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
+
+    async def pump() -> None:
+        try:
+            async for chunk in chunks:
+                await queue.put(chunk)
+        except Exception as e:  # noqa: BLE001 - the reader raises it
+            await queue.put(e)
+            return
+        await queue.put(None)  # the end
+
+    pumping = asyncio.ensure_future(pump())
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(every):
+                    item = await queue.get()
+            except TimeoutError:
+                yield ": keep-alive\n\n"
+                continue
+            if item is None:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        pumping.cancel()  # a reader gone: the chunks' own cleanup runs (their requests are cancelled)
+        await asyncio.gather(pumping, return_exceptions=True)
 
 
 class _HeldStream(StreamingResponse):
