@@ -293,7 +293,7 @@ def _native_gpu_layers(gpu_layers: int) -> str:
 # So a short B = 1 run follows ours, keeping the tool alive until our row is out, and is dropped;
 # a run that still lost it (4 in 100 at B = 4, all its output) is repeated, after a pause that
 # grows, so that a moment of a busy host does not use up every attempt (CI once lost 10 in a row).
-NATIVE_ATTEMPTS = 10
+NATIVE_ATTEMPTS = 20
 
 
 def native_run(engine: BatchEngine, settings: SweepSettings, b: int) -> dict:

@@ -63,7 +63,7 @@ class Serving:
     def stream(self, served: Served, chunks: AsyncIterator[str]) -> StreamingResponse:
         """Server-Sent Events, holding the model until the stream ends or its client leaves."""
         self.models.hold(served)
-        return _HeldStream(chunks if self.keepalive is None else kept_alive(chunks, self.keepalive), lambda: self.models.release(served))
+        return _HeldStream(chunks, lambda: self.models.release(served), self.keepalive)
 
     @staticmethod
     def engine(served: Served) -> BatchEngine:
@@ -128,55 +128,56 @@ class Serving:
             raise HTTPException(504, f"the embeddings took longer than {self.timeout:g} s") from None
 
 
-async def kept_alive(chunks: AsyncIterator[str], every: float) -> AsyncIterator[str]:
-    """The chunks, and an SSE comment after each `every` seconds without one: a stream waiting
-    in the queue or behind a long prompt shows proxies and clients that it lives (clients skip
-    comments). One task pumps the chunks through a one-place queue, so a slow reader still holds
-    the stream back."""
-    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
-
-    async def pump() -> None:
-        try:
-            async for chunk in chunks:
-                await queue.put(chunk)
-        except Exception as e:  # noqa: BLE001 - the reader raises it
-            await queue.put(e)
-            return
-        await queue.put(None)  # the end
-
-    pumping = asyncio.ensure_future(pump())
-    try:
-        while True:
-            try:
-                async with asyncio.timeout(every):
-                    item = await queue.get()
-            except TimeoutError:
-                yield ": keep-alive\n\n"
-                continue
-            if item is None:
-                return
-            if isinstance(item, Exception):
-                raise item
-            yield item
-    finally:
-        pumping.cancel()  # a reader gone: the chunks' own cleanup runs (their requests are cancelled)
-        await asyncio.gather(pumping, return_exceptions=True)
-
-
 class _HeldStream(StreamingResponse):
     """A stream that lets its model go once the response is over, however it ends: whole, cut by
     the client, or refused before its first chunk (when its chunks never start, their own
-    cleanup never runs)."""
+    cleanup never runs). With `keepalive`, an SSE comment goes out after each that many seconds
+    in which nothing else did: a stream waiting in the queue or behind a long prompt shows
+    proxies and clients that it lives (clients skip comments)."""
 
-    def __init__(self, chunks: AsyncIterator[str], release: Callable[[], None]) -> None:
+    def __init__(self, chunks: AsyncIterator[str], release: Callable[[], None], keepalive: float | None = None) -> None:
         super().__init__(chunks, media_type="text/event-stream")
-        self._release = release
+        self._release, self._keepalive = release, keepalive
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._release()
+
+    async def stream_response(self, send) -> None:
+        if self._keepalive is None:
+            return await super().stream_response(send)
+        # One timer a stream, and a lock no chunk waits on but while a comment goes out: a
+        # chunk costs a timestamp, not a task or a timeout of its own.
+        every, lock = self._keepalive, asyncio.Lock()
+        last, open_ = time.monotonic(), True
+
+        async def sending(message) -> None:
+            nonlocal last, open_
+            async with lock:
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    open_ = False  # the last message: nothing may follow it
+                await send(message)
+                last = time.monotonic()
+
+        async def tick() -> None:
+            nonlocal last
+            while True:
+                await asyncio.sleep(max(0.0, last + every - time.monotonic()))
+                async with lock:
+                    if not open_:
+                        return
+                    if time.monotonic() - last >= every:
+                        await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+                        last = time.monotonic()
+
+        ticker = asyncio.ensure_future(tick())
+        try:
+            await super().stream_response(sending)
+        finally:
+            ticker.cancel()
+            await asyncio.gather(ticker, return_exceptions=True)
 
 
 # Refusals whose status is not a request's fault (400) or an unknown model (404): by type.
