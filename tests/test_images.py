@@ -282,3 +282,34 @@ def test_a_batch_job_of_chat_lines_with_images(tiny_model, projector, tmp_path):
         expected = engine.generate([ImagePrompt("what is it\n" + MARKER, (image,)) for image in (RED, GREEN)], greedy(6))
     for custom_id, want in zip(("red", "green"), expected):
         assert out[custom_id]["response"]["body"]["choices"][0]["message"]["content"] == want.text
+
+
+def test_a_jsonl_job_names_its_images_by_path(tiny_model, projector, tmp_path):
+    """llamabatch JSON Lines with "image" paths (relative to the file, a file:// URL, a list):
+    each line answers as the engine does; a missing file fails its line alone; `run
+    --prompts-file` reads the same lines."""
+    from typer.testing import CliRunner
+
+    from llamabatch.cli import app
+
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "red.png").write_bytes(RED)
+    (tmp_path / "green.png").write_bytes(GREEN)
+    lines = [{"id": "red", "prompt": "what is it", "image": "photos/red.png"},
+             {"id": "gone", "prompt": "what is it", "image": "photos/missing.png"},
+             {"id": "both", "prompt": f"{MARKER} and {MARKER}", "image": [f"file://{tmp_path / 'green.png'}", "photos/red.png"]}]
+    source = tmp_path / "job.jsonl"
+    source.write_text("".join(json.dumps({**line, "max_tokens": 6, "temperature": 0}) + "\n" for line in lines))
+    common = ["-m", str(tiny_model), "--mmproj", str(projector), "--chat", "--ctx", "2048", "--parallel", "2"]
+    done = CliRunner().invoke(app, ["batch", str(source), "-o", str(tmp_path / "out.jsonl"), *common])
+    assert done.exit_code == 1, done.output  # a line failed
+    out = {json.loads(x)["id"]: json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()}
+    errors = {json.loads(x)["id"]: json.loads(x) for x in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()}
+    assert sorted(out) == ["both", "red"] and "image file not found" in errors["gone"]["error"]["message"]
+    with BatchEngine(tiny_model, mmproj=projector, n_parallel=1, n_ctx=1024, chat=True) as engine:
+        red, both = engine.generate([ImagePrompt("what is it", (RED,)), ImagePrompt(f"{MARKER} and {MARKER}", (GREEN, RED))], greedy(6))
+    assert out["red"]["choices"][0]["text"] == red.text and out["both"]["choices"][0]["text"] == both.text
+    source.write_text("".join(json.dumps({**line, "max_tokens": 6, "temperature": 0}) + "\n" for line in lines if line["id"] != "gone"))
+    ran = CliRunner().invoke(app, ["run", "--prompts-file", str(source), "--json", *common])
+    assert ran.exit_code == 0, ran.output
+    assert [json.loads(x)["text"] for x in ran.stdout.splitlines()[:2]] == [red.text, both.text]

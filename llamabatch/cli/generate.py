@@ -114,15 +114,17 @@ def run(
         raise typer.Exit(1)
 
 
-def _with_images(prompts: list[str], images: list[Path]) -> list[ImagePrompt]:
+def _with_images(prompts: list[str | ImagePrompt], images: list[Path]) -> list[ImagePrompt]:
     """--image: one image shown with every prompt, or one per prompt, in order."""
+    if any(isinstance(p, ImagePrompt) for p in prompts):
+        raise LlamabatchError("--image with a prompts file whose lines name their images: give one or the other")
     if len(images) not in (1, len(prompts)):
         raise LlamabatchError(f"--image: give one image (shown with every prompt) or one per prompt ({len(prompts)} prompts, {len(images)} images)")
     for path in images:
         if not path.is_file():
             raise LlamabatchError(f"--image: file not found: {path}")
     data = [path.read_bytes() for path in images]
-    return [ImagePrompt(text, (data[0] if len(data) == 1 else data[k],)) for k, text in enumerate(prompts)]
+    return [ImagePrompt(str(text), (data[0] if len(data) == 1 else data[k],)) for k, text in enumerate(prompts)]
 
 
 def _drive(engine: BatchEngine, sequences: list[Sequence], live: bool) -> None:

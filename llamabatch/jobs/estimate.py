@@ -45,7 +45,7 @@ def estimate(engine: BatchEngine, source: str | Path, base: SamplingParams | Non
                 requests += 1
                 continue
             try:
-                inputs = engine_inputs(item.body, engine) if item.body is not None else EngineInputs([item.prompt], item.params)
+                inputs = engine_inputs(item.body, engine) if item.body is not None else EngineInputs([item.engine_prompt()], item.params)
                 prompts, params = inputs.prompts, inputs.params
                 lengths = [engine.prompt_length(p) for p in prompts]
             except LlamabatchError:

@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 from pydantic import TypeAdapter, ValidationError
 
-from ..engine import SamplingParams
+from ..engine import ImagePrompt, SamplingParams
 from ..errors import LlamabatchError
 from ..embeddings_format import EMBEDDINGS_URL, EmbeddingRequest
 from ..openai_format import ENDPOINTS, LoraEntry, SamplingFields, validation_message
@@ -55,6 +55,17 @@ class JobLine:
     model: str | None = None  # JSONL: the served model or an adapter's name (vLLM's way)
     lora: tuple[tuple[int, float], ...] | None = None  # JSONL: llama-server's lora field, as pairs
     embedding: EmbeddingRequest | None = None  # texts to embed (a /v1/embeddings line, an "input" line, an embed job's text)
+    images: tuple[Path, ...] = ()  # JSONL: the image files its prompt shows (read when it is submitted)
+
+    def engine_prompt(self) -> str | ImagePrompt:
+        """A llamabatch-format line's prompt as the engine takes it: with images, their files
+        read now (LlamabatchError for one that cannot be)."""
+        if not self.images:
+            return self.prompt
+        for path in self.images:
+            if not path.is_file():
+                raise LlamabatchError(f"image file not found: {path}")
+        return ImagePrompt(self.prompt, tuple(path.read_bytes() for path in self.images))
 
 
 @dataclass(frozen=True)
@@ -140,7 +151,8 @@ class RequestReader:
         except LlamabatchError:
             self.close()
             raise
-        self.parse = LineParser(self.format, self.base, embed).parse
+        folder = None if str(source) == "-" else Path(source).parent  # image paths are relative to the input's folder
+        self.parse = LineParser(self.format, self.base, embed, folder).parse
 
     def close(self) -> None:
         """Close the input file (safe to call twice; reading stops there)."""
@@ -161,6 +173,7 @@ class LineParser:
     format: Format
     base: SamplingParams
     embed: bool = False  # `llamabatch embed`: a text line is a text to embed, not a prompt
+    folder: Path | None = None  # where a JSONL line's relative image paths start (None: the working folder)
 
     def parse(self, n: int, text: str | None) -> JobLine | BadLine:
         digest = request_digest(text)
@@ -221,7 +234,7 @@ class LineParser:
         prompt = obj.get("prompt")
         if not isinstance(prompt, str):
             return BadLine(id_, n, digest, "expected an object with a string 'prompt'")
-        unknown = set(obj) - _SAMPLING_FIELDS - {"prompt", "id", "model", "lora"}
+        unknown = set(obj) - _SAMPLING_FIELDS - {"prompt", "id", "model", "lora", "image"}
         if unknown:
             return BadLine(id_, n, digest, f"unknown field {sorted(unknown)[0]!r}: llamabatch does not support it", status=400)
         model = obj.get("model")
@@ -234,7 +247,15 @@ class LineParser:
             return BadLine(id_, n, digest, f"lora: {validation_message(e)}", status=400)
         except LlamabatchError as e:
             return BadLine(id_, n, digest, str(e), status=400)
-        return JobLine(id_, n, digest, prompt=prompt, params=params, model=model, lora=lora)
+        images = obj.get("image", [])
+        images = [images] if isinstance(images, str) else images
+        if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
+            return BadLine(id_, n, digest, "image must be a file's path (or file:// URL), or a list of them", status=400)
+        return JobLine(id_, n, digest, prompt=prompt, params=params, model=model, lora=lora, images=tuple(self._path(i) for i in images))
+
+    def _path(self, text: str) -> Path:
+        path = Path(text.removeprefix("file://")).expanduser()
+        return path if path.is_absolute() or self.folder is None else self.folder / path
 
 
 def jsonl_params(base: SamplingParams, fields_: dict) -> SamplingParams:

@@ -143,7 +143,7 @@ class RequestRunner:
         req = _Open(request)
         try:
             inputs = (
-                engine_inputs(request.body, self.engine) if request.body is not None else EngineInputs([request.prompt], self._params(request))
+                engine_inputs(request.body, self.engine) if request.body is not None else EngineInputs([request.engine_prompt()], self._params(request))
             )
             req.answer, prompts, params = inputs.answer, inputs.prompts, inputs.params
             for i, prompt in enumerate(prompts):
