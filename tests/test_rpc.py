@@ -130,6 +130,27 @@ def test_an_rpc_server_that_cannot_listen_says_why():
     assert busy.returncode == 1 and f"port {port} is taken" in busy.stderr, busy.stderr
 
 
+def test_a_port_whose_connections_are_closing_is_free_to_listen_on():
+    """A server just stopped leaves its port in TIME_WAIT: ggml's server binds it (SO_REUSEADDR),
+    so the check before it must not call it taken (a remote restarted on its port)."""
+    from llamabatch.cli.serving import _cannot_listen
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ggml's server listens
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server's side closes first: its port lingers in TIME_WAIT
+            client.recv(1)
+    assert _cannot_listen("127.0.0.1", port) is None
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert _cannot_listen("127.0.0.1", taken.getsockname()[1]) == f"port {taken.getsockname()[1]} is taken"
+
+
 @needs_rpc
 def test_a_server_of_this_library_speaks_the_protocol_checked_before_loading(servers):
     major, minor, _ = rpc.probe(servers[0].endpoint)

@@ -265,11 +265,15 @@ def rpc_server(
 
 
 def _cannot_listen(host: str, port: int) -> str | None:
-    """Why this process could not listen on host:port, or None when it can."""
+    """Why this process could not listen on host:port, or None when it can. Probed as ggml's
+    server binds (SO_REUSEADDR): a port whose last connections linger closing (TIME_WAIT, a
+    server just stopped) is free to it; one another socket listens on is not."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             probe.bind((host, port))
+            probe.listen()
     except socket.gaierror as e:
         return f"{host!r} is not a host name or address ({e.strerror})"
     except OSError as e:
