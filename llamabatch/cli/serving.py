@@ -167,8 +167,12 @@ def _access(keys: list[str] | None, key_file: Path | None, private_metrics: bool
         raise LlamabatchError("--private-metrics asks for an API key: give --api-key or --api-key-file")
     if (methods, headers) != ("GET,POST,DELETE", "*") and not origins:
         raise LlamabatchError("--cors-methods and --cors-headers apply to the origins --cors-origin allows: give one")
-    split = lambda text: tuple(part.strip() for part in text.split(",") if part.strip())  # noqa: E731
-    return Access(frozenset(every), private_metrics, tuple(origins or ()), split(methods), split(headers))
+    return Access(frozenset(every), private_metrics, tuple(origins or ()), _listed(methods), _listed(headers))
+
+
+def _listed(text: str) -> tuple[str, ...]:
+    """A comma-separated option's items."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _tls(certfile: Path | None, keyfile: Path | None, replicas: str | None) -> tuple[Path, Path] | None:

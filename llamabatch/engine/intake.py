@@ -12,7 +12,7 @@ from ..errors import ChatTemplateError, ConstraintError, PromptError, SamplingEr
 from .sampling.chain import build_sampler
 from .config import EngineConfig
 from .sampling.constraints import Constraint, Grammars
-from .media import MediaSpan, lay_out
+from .media import MediaSpan, token_list
 from .runtime import Runtime
 from .sampling.params import SamplingParams
 from .scheduling.scheduler import Scheduler
@@ -186,7 +186,7 @@ class Intake:
             add_special = self.runtime.chat.adds_bos(text)
         else:
             text, add_special = prompt, True
-        tokens, media = lay_out(projector.read(text, images, add_special), self.vocab.n_vocab)
+        tokens, media = token_list(projector.read(text, images, add_special), self.vocab.n_vocab)
         return Prompt(prompt, tokens, media)
 
     def positions(self, prompt: PromptInput) -> list[int]:

@@ -33,7 +33,7 @@ def placeholders(image: Encoded, n_vocab: int) -> list[int]:
     return [n_vocab + (first + i) % _PLACEHOLDER_RANGE for i in range(image.n_tokens)]
 
 
-def lay_out(pieces: list[Piece], n_vocab: int) -> tuple[list[int], tuple[MediaSpan, ...]]:
+def token_list(pieces: list[Piece], n_vocab: int) -> tuple[list[int], tuple[MediaSpan, ...]]:
     """A prompt read by the projector as one token list (an image's positions hold its
     placeholders) and the spans its images fill."""
     tokens: list[int] = []

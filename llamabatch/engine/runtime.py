@@ -14,7 +14,7 @@ from .config import RPC_TIMEOUT_S, EngineConfig
 from .embedding import MAX_TEXTS_PER_DECODE, Embedder, Pooling, model_pooling
 from .memory.streams import Family, Memory
 from .native.handles import Batch, Context, Model
-from .native.projector import EmbeddingBatch, Projector
+from .native.projector import Projector
 from .native.backend import init_backend, use_row_invariant_matmul
 from .memory.prompt_cache import PromptCache, fingerprint
 from .rpc import guard as rpc_guard, local_accelerators, remote_devices
@@ -87,14 +87,14 @@ class Runtime:
                           None if cfg.mmproj is None else Path(cfg.mmproj))
         return PromptCache(cfg.cache_ram, key, None if cfg.cache_dir is None else Path(cfg.cache_dir), cfg.cache_disk)
 
-    def _projector(self) -> tuple[Projector | None, EmbeddingBatch | None]:
+    def _projector(self) -> tuple[Projector | None, Batch | None]:
         """The multimodal projector (--mmproj), and the batch images are decoded from."""
         cfg = self.config
         if cfg.mmproj is None:
             return None, None
         projector = Projector(Path(cfg.mmproj), self.model, cfg.n_threads, offload=cfg.mmproj_offload)
         try:
-            return projector, EmbeddingBatch(self.ctx.n_batch, projector.n_embd)
+            return projector, Batch(self.ctx.n_batch, projector.n_embd)
         except BaseException:
             projector.close()
             raise

@@ -11,6 +11,7 @@ from ..errors import DecodeError, EngineBroken
 from .config import EngineConfig
 from .memory.streams import MemoryRefused
 from .native.handles import INVALID_BATCH, KV_FULL
+from .native.projector import decode_images
 from .sampling.picker import Picker
 from .postprocess import Postprocessor
 from .results import Event, RunStats
@@ -190,7 +191,7 @@ class Stepper:
             if not due:
                 return read
             try:
-                self.media_batch.decode(self.ctx, [(span.image, seq.seq_id, span.start) for seq, span in due])
+                decode_images(self.ctx, self.media_batch, [(span.image, seq.seq_id, span.start) for seq, span in due])
             except DecodeError:
                 self._undo([seq for seq, _ in due])
                 due = [(seq, span) for seq, span in due if self._read_alone(seq, span, events)]
@@ -207,7 +208,7 @@ class Stepper:
         if seq.n_past != span.start:  # memory put back to a checkpoint before it: read from there
             return False
         try:
-            self.media_batch.decode(self.ctx, [(span.image, seq.seq_id, span.start)])
+            decode_images(self.ctx, self.media_batch, [(span.image, seq.seq_id, span.start)])
         except DecodeError as e:
             self._undo([seq])
             events.append(self.post.fail(seq, f"reading its image: {e}"))

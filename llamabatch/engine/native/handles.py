@@ -11,7 +11,6 @@ import functools
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
 
 import llama_cpp
 import numpy as np
@@ -22,13 +21,6 @@ from .backend import awaiting_backends
 
 KV_FULL = 1  # llama_decode's "no free KV slot" (DecodeError.code)
 INVALID_BATCH = -1  # llama_decode refused the batch before computing anything (positions, ids, ...)
-
-
-class Decodable(Protocol):
-    """A batch llama_decode takes (Batch, or a projector's EmbeddingBatch)."""
-
-    @property
-    def struct(self) -> llama_cpp.llama_batch: ...
 
 
 class _Owner:
@@ -352,7 +344,7 @@ class Context(_Owner):
         if llama_cpp.llama_set_adapters_lora(self.handle, handles, len(adapters), (ctypes.c_float * len(scales))(*scales)) != 0:
             raise ModelError("llama.cpp refused the LoRA adapter set (llama_set_adapters_lora)")
 
-    def decode(self, batch: Decodable) -> None:
+    def decode(self, batch: Batch) -> None:
         backend.process.decoded = True
         mark = len(backend.log.warnings)
         code = awaiting_backends(llama_cpp.llama_decode, self.handle, batch.struct)
@@ -430,15 +422,19 @@ class Batch(_Owner):
     """A llama_batch written through numpy views of its C arrays: a step fills every row with a
     few slice assignments. Each row's seq_id pointer is aimed at our own contiguous array (one
     sequence per row), so seq_ids are one slice too; llama_batch_init's own per-row arrays are
-    put back before llama_batch_free frees them."""
+    put back before llama_batch_free frees them. With n_embd its rows are embeddings (an
+    image's: native.projector.decode_images), not tokens."""
 
     kind = "batch"
 
-    def __init__(self, capacity: int) -> None:
-        struct = llama_cpp.llama_batch_init(capacity, 0, 1)
+    def __init__(self, capacity: int, n_embd: int = 0) -> None:
+        struct = llama_cpp.llama_batch_init(capacity, n_embd, 1)
         super().__init__(struct)
         self.capacity = capacity
-        self.token = np.ctypeslib.as_array(struct.token, shape=(capacity,))
+        if n_embd:
+            self.embd = np.ctypeslib.as_array(struct.embd, shape=(capacity, n_embd))
+        else:
+            self.token = np.ctypeslib.as_array(struct.token, shape=(capacity,))
         self.pos = np.ctypeslib.as_array(struct.pos, shape=(capacity,))
         self.logits = np.ctypeslib.as_array(struct.logits, shape=(capacity,))
         np.ctypeslib.as_array(struct.n_seq_id, shape=(capacity,))[:] = 1

@@ -1,5 +1,5 @@
-"""Owners of libmtmd's handles: the projector that reads images into embeddings the text model
-takes, and the batch those embeddings are decoded from."""
+"""The owner of libmtmd's handle, the projector that reads images into embeddings the text model
+takes; and their decoding into sequences' positions, through a Batch of embedding rows."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ except (ImportError, OSError):  # the module, or the library it loads
 from ...catalog import check_gguf
 from ...errors import ModelError, PromptError
 from . import backend
-from .handles import Context, Model, _Owner
+from .handles import Batch, Context, Model, _Owner
 
 # Where a prompt's text shows its next image (libmtmd's default marker, set on the projector).
 IMAGE_MARKER = "<__media__>"
@@ -145,67 +145,44 @@ class Projector(_Owner):
 Placed = tuple[Encoded, int, int]  # an image, the sequence it goes to, its first position there
 
 
-class EmbeddingBatch(_Owner):
-    """A llama_batch of embedding rows (images'), no logits: decoded into sequences' positions
-    as their tokens would be."""
+def decode_images(ctx: Context, batch: Batch, placed: list[Placed]) -> None:
+    """Decode images into their sequences' positions through `batch` (of embedding rows, no
+    logits). Images attended one way share decodes of up to its capacity (one may span two);
+    one attended both ways is decoded alone and whole (Intake checks that it fits a
+    micro-batch). Raises DecodeError as Context.decode does (code 1: no room in the KV cache);
+    what went in before stays."""
+    n = 0
+    for image, seq_id, first in placed:
+        if image.non_causal:
+            n = _flush(ctx, batch, n)
+            _put(batch, 0, image.embeddings, seq_id, first)
+            llama_cpp.llama_set_causal_attn(ctx.handle, False)
+            try:
+                _flush(ctx, batch, image.n_tokens)
+            finally:
+                llama_cpp.llama_set_causal_attn(ctx.handle, True)
+            continue
+        start = 0
+        while start < image.n_tokens:
+            rows = image.embeddings[start : start + batch.capacity - n]
+            _put(batch, n, rows, seq_id, first + start)
+            n, start = n + len(rows), start + len(rows)
+            if n == batch.capacity:
+                n = _flush(ctx, batch, n)
+    _flush(ctx, batch, n)
 
-    kind = "embedding batch"
 
-    def __init__(self, capacity: int, n_embd: int) -> None:
-        struct = llama_cpp.llama_batch_init(capacity, n_embd, 1)
-        super().__init__(struct)
-        self.capacity, self.n_embd = capacity, n_embd
-        self.embd = np.ctypeslib.as_array(struct.embd, shape=(capacity, n_embd))
-        self.pos = np.ctypeslib.as_array(struct.pos, shape=(capacity,))
-        np.ctypeslib.as_array(struct.logits, shape=(capacity,))[:] = 0
-        np.ctypeslib.as_array(struct.n_seq_id, shape=(capacity,))[:] = 1
-        self._seq_ids = [struct.seq_id[i] for i in range(capacity)]
-        self.n_tokens = 0
+def _put(batch: Batch, at: int, rows: np.ndarray, seq_id: int, first: int) -> None:
+    n = len(rows)
+    batch.embd[at : at + n] = rows
+    batch.pos[at : at + n] = np.arange(first, first + n)
+    batch.seq_id[at : at + n] = seq_id
+    batch.logits[at : at + n] = 0
 
-    def _free(self, struct) -> None:
-        llama_cpp.llama_batch_free(struct)
 
-    @property
-    def struct(self) -> llama_cpp.llama_batch:
-        struct = self.handle
-        struct.n_tokens = self.n_tokens
-        return struct
-
-    def decode(self, ctx: Context, placed: list[Placed]) -> None:
-        """Decode images into their sequences' positions. Images attended one way share decodes
-        of up to `capacity` rows (one may span two); one attended both ways is decoded alone
-        and whole (Intake checks that it fits a micro-batch). Raises DecodeError as
-        Context.decode does (code 1: no room in the KV cache); what went in before stays."""
-        n = 0
-        for image, seq_id, first in placed:
-            if image.non_causal:
-                n = self._flush(ctx, n)
-                self._put(0, image.embeddings, seq_id, first)
-                llama_cpp.llama_set_causal_attn(ctx.handle, False)
-                try:
-                    self._flush(ctx, image.n_tokens)
-                finally:
-                    llama_cpp.llama_set_causal_attn(ctx.handle, True)
-                continue
-            start = 0
-            while start < image.n_tokens:
-                rows = image.embeddings[start : start + self.capacity - n]
-                self._put(n, rows, seq_id, first + start)
-                n, start = n + len(rows), start + len(rows)
-                if n == self.capacity:
-                    n = self._flush(ctx, n)
-        self._flush(ctx, n)
-
-    def _put(self, at: int, rows: np.ndarray, seq_id: int, first: int) -> None:
-        n = len(rows)
-        self.embd[at : at + n] = rows
-        self.pos[at : at + n] = np.arange(first, first + n)
-        for i in range(at, at + n):
-            self._seq_ids[i][0] = seq_id
-
-    def _flush(self, ctx: Context, n: int) -> int:
-        """Decode the first n rows (none: nothing); returns 0, the rows left."""
-        if n:
-            self.n_tokens = n
-            ctx.decode(self)
-        return 0
+def _flush(ctx: Context, batch: Batch, n: int) -> int:
+    """Decode the batch's first n rows (none: nothing); returns 0, the rows left."""
+    if n:
+        batch.n_tokens = n
+        ctx.decode(batch)
+    return 0
