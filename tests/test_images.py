@@ -313,3 +313,18 @@ def test_a_jsonl_job_names_its_images_by_path(tiny_model, projector, tmp_path):
     ran = CliRunner().invoke(app, ["run", "--prompts-file", str(source), "--json", *common])
     assert ran.exit_code == 0, ran.output
     assert [json.loads(x)["text"] for x in ran.stdout.splitlines()[:2]] == [red.text, both.text]
+
+
+def test_sampled_samples_of_one_image_share_it_and_repeat_with_their_seed(tiny_model, projector):
+    """n = 3 sampled samples of an image prompt (top-k, top-p, a seed): the image is read once
+    for all three, and the same request draws the same three texts again."""
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=20, top_p=0.9, seed=7, n=3)
+
+    def draw() -> tuple[list[str], int]:
+        with BatchEngine(tiny_model, mmproj=projector, n_parallel=3, n_ctx=1024, chat=True) as engine:
+            results = engine.generate([ImagePrompt("what is it", (RED,))], params)
+            assert all(r.error is None and r.completion_tokens == 8 or r.finish_reason == "stop" for r in results)
+            return [r.text for r in results], engine.stats.images_read
+
+    (texts, read), (again, _) = draw(), draw()
+    assert read == 1 and texts == again
