@@ -81,26 +81,39 @@ def test_a_slot_cache_past_the_sliding_window_is_not_reused():
         assert engine.stats.prompt_tokens_reused >= 10  # within the window the head is reused
 
 
-def test_a_prefix_past_the_window_comes_back_from_its_checkpoint_and_from_the_prompt_cache():
-    """Gemma 3's window moves past a long shared prefix; the second prompt to share it leaves a
-    checkpoint of the window where they part, from which the slot (and, once the slot is taken,
-    the prompt cache) gives it back. Greedy tokens are the cold run's, up to a near-tie."""
+def test_the_first_prompt_to_share_a_prefix_past_the_window_takes_it_from_the_prompt_cache():
+    """Gemma 3's window moves past a long shared prefix. The window checkpoints a prefill takes
+    (every half window) give most of it back to the first prompt that shares it once the slot
+    went to other work; that prompt leaves a checkpoint where it parted, so the next one gets all
+    of it. With --checkpoint-every 0 (checkpoints at prompt ends only) the first reuse gets nothing.
+    Greedy tokens are the cold run's, up to a near-tie."""
     prefix = "Notes on the harbour archive: ledgers, letters, charts and tide tables, kept by year. " * 80
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    asked = [prefix + f"Question {k}: which year holds the oldest ledger?" for k in range(4)]
+    asked = [prefix + f"Question {k}: which year holds the oldest ledger?" for k in range(3)]
+    others = [[text + " a city of" * 80] for text in PROMPTS[:2]]  # unrelated: no hits of their own
     settings = dict(n_parallel=1, n_ctx=4096)
     with BatchEngine(**settings) as fresh:
-        cold = fresh.generate([asked[3]], greedy)[0]
+        [cold] = fresh.submit([asked[1]], greedy)
+        while fresh.has_work:
+            fresh.step()
+    reused, answers = [], []
     with BatchEngine(cache_ram="1GiB", **settings) as engine:
-        n_prefix = len(engine.tokenize_prompt(prefix))
-        assert n_prefix > 2 * engine.memory.caps.n_swa  # longer than the window
-        engine.generate(asked[:2], greedy)  # the second parts from the first: a checkpoint there
-        engine.generate([PROMPTS[0] + " a city of" * 80], greedy)  # takes the slot: the prefix goes to RAM
-        engine.reset_stats()
-        again = engine.generate([asked[3]], greedy)[0]
-        assert engine.prompt_cache.stats.ram.hits == 1
-        assert engine.stats.prompt_tokens_reused >= n_prefix - 2
-    for k, (got, expected) in enumerate(zip(again.token_ids, cold.token_ids)):
+        n_prefix, every = len(engine.tokenize_prompt(prefix)), engine.scheduler.checkpoint_every
+        assert n_prefix > 2 * engine.memory.caps.n_swa and every == engine.memory.caps.n_swa // 2
+        engine.generate(asked[:1], greedy)
+        for question, other in zip(asked[1:], others):
+            engine.generate(other, greedy)  # takes the slot: the prefix goes to RAM
+            engine.reset_stats()
+            answers += engine.generate([question], greedy)
+            reused.append(engine.stats.prompt_tokens_reused)
+        assert engine.prompt_cache.stats.ram.hits == 2
+    assert n_prefix - every <= reused[0] < n_prefix - 2 <= reused[1]
+    with BatchEngine(cache_ram="1GiB", checkpoint_every=0, **settings) as ends_only:
+        ends_only.generate(asked[:1] + others[0], greedy)
+        ends_only.reset_stats()
+        ends_only.generate(asked[1:2], greedy)
+        assert ends_only.stats.prompt_tokens_reused == 0
+    for k, (got, expected) in enumerate(zip(answers[0].token_ids, cold.tokens[cold.n_prompt:])):
         if got != expected:  # a near-tie may flip with the chunking; past it the runs part
             top = dict(cold.logprobs[k].top)
             assert got in top and abs(top[got] - top[expected]) < 0.05

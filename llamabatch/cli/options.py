@@ -57,7 +57,7 @@ StepTargetOpt = Annotated[Optional[str], typer.Option(
     "--step-target", metavar="DURATION|auto|off", help="Keep a step that reads prompt tokens beside decoding sequences near this (e.g. 200ms), the prompts sharing it, so streams do not stall while a long prompt is read; auto: six decode steps' time (serve's default; --max-itl when given); off: whole --batch-size chunks, oldest prompt first (run's and batch's default).",
 )]
 CheckpointEveryOpt = Annotated[Optional[int], typer.Option(
-    "--checkpoint-every", metavar="TOKENS", help="Recurrent and hybrid models: checkpoint a prompt's state every TOKENS (64; 0: at its end only), so later prompts reuse its prefix.",
+    "--checkpoint-every", metavar="TOKENS", help="Recurrent, hybrid and sliding-window models: checkpoint a prompt's state every TOKENS (64; a sliding window: half the window, at least 256; 0: at its end only), so later prompts reuse its prefix.",
 )]
 CheckpointMemoryOpt = Annotated[Optional[str], typer.Option(
     "--checkpoint-memory", metavar="SIZE", help="Recurrent, hybrid and sliding-window models: host memory for state checkpoints, e.g. 512MiB (1GiB; 0: none).",

@@ -10,7 +10,7 @@ from ..chat import ChatTemplate
 from ..chat.conversation import Chat
 from ..errors import ChatTemplateError, ConfigError, ModelError
 from .adapters import Adapters
-from .config import RPC_TIMEOUT_S, EngineConfig
+from .config import CHECKPOINT_EVERY, RPC_TIMEOUT_S, WINDOW_CHECKPOINT_EVERY, EngineConfig
 from .embedding import MAX_TEXTS_PER_DECODE, Embedder, Pooling, model_pooling
 from .memory.streams import Family, Memory
 from .native.handles import Batch, Context, Model
@@ -73,11 +73,15 @@ class Runtime:
     @property
     def checkpoint_every(self) -> int | None:
         """Prompt tokens between checkpoints (0: at prompt ends and parting points only; None:
-        none, the memory can be cut anywhere). A sliding window's checkpoint holds the whole
-        window (15 MiB for Gemma 3 270M), so those are taken only where they are known to pay."""
+        none, the memory can be cut anywhere): --checkpoint-every, else the family's. A sliding
+        window's checkpoint holds the whole window, so windows are checkpointed further apart."""
         if not self.memory.checkpointing:
             return None
-        return 0 if self.memory.caps.family is Family.SLIDING_WINDOW else self.config.checkpoint_every
+        if self.config.checkpoint_every is not None:
+            return self.config.checkpoint_every
+        if self.memory.caps.family is Family.SLIDING_WINDOW:
+            return max(WINDOW_CHECKPOINT_EVERY, self.memory.caps.n_swa // 2)
+        return CHECKPOINT_EVERY
 
     def _prompt_cache(self, path: Path) -> PromptCache | None:
         cfg = self.config
