@@ -16,11 +16,11 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from .chat import Tools
 from .chat.conversation import Answer
-from .engine import IMAGE_MARKER, BatchEngine, ImagePrompt, SamplingParams, Sequence
+from .engine import IMAGE_MARKER, BatchEngine, ImagePrompt, Infill, SamplingParams, Sequence
 from .engine.sampling.constraints import Constraint
 from .engine.native.handles import Vocab
 from .engine.sampling.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED, MIN_REPEAT_PENALTY
-from .errors import ConstraintError, LlamabatchError, SamplingError, UnknownModel
+from .errors import ConstraintError, LlamabatchError, PromptError, SamplingError, UnknownModel
 
 MAX_PRIORITY = 1000  # |priority|: a thousand levels of aging is over 80 minutes
 
@@ -249,6 +249,7 @@ class Shown:
 class CompletionRequest(SamplingFields):
     prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
     echo: StrictBool = False  # the prompt before the completion, and its log-probabilities (first: null) with logprobs
+    suffix: StrictStr | None = None  # the text after the completion: the prompt is a gap to fill in (engine.infill)
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # each token's log-probability and this many alternatives
 
     def logprob_count(self) -> int | None:
@@ -489,6 +490,11 @@ def engine_inputs(body: SamplingFields, engine: BatchEngine, reasoning_budget: i
         if images:  # the projector reads the rendered text with them
             return EngineInputs([ImagePrompt(prompt.text, images, templated=True)], params, prompt.answer)
         return EngineInputs([prompt.tokens], params, prompt.answer)  # ids: an engine with --chat must not template it again
+    if isinstance(body, CompletionRequest) and body.suffix is not None:
+        if body.echo:
+            raise PromptError("echo and suffix: the prompt of a gap to fill is laid out with the model's FIM tokens, give one")
+        limit = params.max_tokens if body.token_limit() is not None else 0
+        return EngineInputs([engine.infill_prompt(Infill(prefix, body.suffix), limit) for prefix in body.prompts()], params)
     if isinstance(body, CompletionRequest):
         return EngineInputs(body.prompts(), params)
     raise LlamabatchError(f"no prompts in a {type(body).__name__}")

@@ -50,6 +50,12 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_fim_model(tmp_path_factory) -> Path:
+    """A tiny model with fill-in-the-middle tokens (prefix, suffix, middle, repository, file separator)."""
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-fim.gguf", fim=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_eos_model(tmp_path_factory) -> Path:
     """A tiny model whose greedy choice is always the end-of-sequence token."""
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-eos.gguf", always_eos=True)

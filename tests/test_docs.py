@@ -149,6 +149,7 @@ def write_files(work: Path) -> None:
     write_tiny_model(work / "small.gguf", n_ctx_train=8192, seed=3)  # a draft model: the same vocabulary
     write_tiny_model(work / "my-reranker.gguf", rank_head=True)
     write_tiny_projector(work / "mmproj.gguf")
+    write_tiny_model(work / "coder.gguf", fim=True)
     Image.new("RGB", (48, 32), (30, 120, 200)).save(work / "photo.jpg")
     for name in ("house-style", "terse", "a", "b"):
         write_tiny_lora(work / f"{name}.gguf")

@@ -54,3 +54,23 @@ def test_earliest_of_several_stops_wins():
 def test_text_without_stop_is_shown_whole_at_finish():
     deltas = feed(TextStream(stop=("xyz",)), [b"abc", b" x"])
     assert "".join(deltas) == "abc x"
+
+
+def test_n_indent_cuts_at_the_first_line_indented_less_however_the_text_arrives():
+    """The first line is free; each later one needs n_indent spaces or tabs, and the first that
+    has fewer (a blank line too) ends the text before its own text. Indentation is held back
+    until its line shows how deep it is."""
+    cases = {
+        "x = 1\n    y = 2\n\tz\n  w = 3\n": ("x = 1\n    y = 2\n\t", True),  # a tab is one; cut before its text
+        "x = 1\n    y = 2\n\n    z\n": ("x = 1\n    y = 2\n", True),
+        "x\n    y\n    ": ("x\n    y\n    ", False),  # the last line has no text yet: shown at the end
+    }
+    for text, (expected, stopped) in cases.items():
+        for size in (1, 2, 5):
+            stream, deltas = TextStream(n_indent=4), []
+            for i in range(0, len(text), size):
+                if not stream.stopped:  # (the engine ends a stopped sequence)
+                    deltas.append(stream.push(text[i:i + size].encode()))
+            shown = "".join(deltas) + stream.finish()
+            assert (shown, stream.stopped) == (expected, stopped), (text, size)
+            assert all(not d.endswith("\n ") for d in deltas[:-1])  # indentation waits for its line

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter, PoolingType, TokenType
+from gguf import GGUFWriter, Keys, PoolingType, TokenType
 
 BOS, EOS, UNK = 1, 2, 0
 WORD_PIECES = [
@@ -34,6 +34,12 @@ def vocabulary(pieces: list[str] = WORD_PIECES) -> tuple[list[str], list[float],
     # Longer pieces score higher so the SPM tokenizer prefers them.
     scores = [0.0] * (3 + 256) + [float(len(p)) for p in pieces]
     return tokens, scores, [int(t) for t in types]
+
+
+# Fill-in-the-middle tokens (Qwen2.5-Coder's texts), appended to the vocabulary by write_tiny_model(fim=True).
+FIM_TOKENS = {Keys.Tokenizer.FIM_PRE_ID: "<|fim_prefix|>", Keys.Tokenizer.FIM_SUF_ID: "<|fim_suffix|>",
+              Keys.Tokenizer.FIM_MID_ID: "<|fim_middle|>", Keys.Tokenizer.FIM_REP_ID: "<|repo_name|>",
+              Keys.Tokenizer.FIM_SEP_ID: "<|file_sep|>"}
 
 
 # The template every tiny model carries unless given another: ChatML, which llama.cpp also knows
@@ -73,14 +79,22 @@ def write_tiny_model(
     rank_head: bool = False,
     chat_template: str | None = CHATML,
     diffusion: bool = False,
+    fim: bool = False,
 ) -> Path:
     """Write a tiny F32 llama model (with `diffusion`, Dream's: the same tensors, attending both ways). `always_eos` makes EOS the greedy choice at every step;
     `pieces` are the word pieces after the byte tokens; `pooling` (a llama_pooling_type) is
     written as the model's embedding pooling. `rank_head` writes a reranker instead: the qwen3
     architecture (llama's, with per-head norms), rank pooling and a two-label classifier
     ("yes", "no"), as llama.cpp's Qwen3 rerankers are converted. `chat_template` is the Jinja
-    template it carries (None: none)."""
+    template it carries (None: none). `fim` adds fill-in-the-middle tokens (FIM_TOKENS)."""
     tokens, scores, types = vocabulary(pieces)
+    fim_ids = {}
+    if fim:
+        for key, text in FIM_TOKENS.items():
+            fim_ids[key] = len(tokens)
+            tokens.append(text)
+            scores.append(0.0)
+            types.append(int(TokenType.CONTROL))
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
 
@@ -105,6 +119,8 @@ def write_tiny_model(
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(0)  # all F32
     add_vocabulary(w, tokens, scores, types, chat_template)
+    for key, token in fim_ids.items():
+        w.add_uint32(key, token)
 
     embd = weight(n_vocab, n_embd, scale=1.0)
     output = weight(n_vocab, n_embd, scale=1.0)

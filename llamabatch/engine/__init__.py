@@ -3,6 +3,7 @@ It imports nothing of serve, jobs, measure or cli; only the top-level errors and
 
 from .batch_engine import BatchEngine
 from .config import EngineConfig
+from .infill import ExtraFile, Infill
 from .intake import ImagePrompt
 from .native.projector import IMAGE_MARKER
 from .results import Event, Result, RunStats, Timings, TokenLogprob
@@ -10,6 +11,6 @@ from .sampling.params import SamplingParams
 from .sequence import Sequence, Status
 
 __all__ = [
-    "BatchEngine", "EngineConfig", "Event", "IMAGE_MARKER", "ImagePrompt", "Result", "RunStats", "SamplingParams", "Sequence", "Status",
+    "BatchEngine", "EngineConfig", "Event", "ExtraFile", "IMAGE_MARKER", "ImagePrompt", "Infill", "Result", "RunStats", "SamplingParams", "Sequence", "Status",
     "Timings", "TokenLogprob",
 ]

@@ -16,6 +16,7 @@ from ..errors import ConfigError, PromptError
 from .config import EngineConfig
 from .sampling.constraints import Grammars
 from .embedding import Embedder, Pooling, finish
+from .infill import Infill, infill_tokens
 from .intake import Intake, PromptInput
 from .sampling.picker import Picker
 from .postprocess import Postprocessor, event
@@ -155,6 +156,13 @@ class BatchEngine:
         """The prompt for chat messages with the model's template (Chat.prompt). Raises
         ChatTemplateError (a PromptError) for a model without one, or messages its template refuses."""
         return self.intake.chat_prompt(messages, tools, template_kwargs, reasoning_budget)
+
+    def infill_prompt(self, gap: Infill, max_tokens: int = 0) -> list[int]:
+        """The prompt that asks the model for the middle of a gap (engine.infill), within one
+        sequence's context less `max_tokens` for the answer. Raises a PromptError naming the FIM
+        tokens the model lacks."""
+        ctx = self.runtime.ctx
+        return infill_tokens(self.vocab, gap, ctx.n_batch, ctx.n_ctx_seq, max_tokens)
 
     # -- running -----------------------------------------------------------------------
 

@@ -101,7 +101,8 @@ class Intake:
         for seq, matcher, p in zip(sequences, matchers, samples):
             seq.matcher, seq.adapters = matcher, adapters
             seq.thought = Thought(budget, close) if budget else None
-            seq.special = matcher is not None or p.logprobs is not None or p.max_tokens == 0 or budget is not None
+            seq.special = (matcher is not None or p.logprobs is not None or p.max_tokens == 0 or budget is not None
+                           or p.max_predict_s is not None)
             seq.priority, seq.priority_class = priority, priority_class
             seq.score_from = -1 if score_from is None else score_from
             if params.max_tokens == 0 and score_from is None:  # nothing to generate, nothing to score: done

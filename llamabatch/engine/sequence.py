@@ -93,7 +93,7 @@ class Sequence:
     t_finished: float | None = None
 
     def __post_init__(self) -> None:
-        self.stream = TextStream(self.params.stop)
+        self.stream = TextStream(self.params.stop, self.params.n_indent)
 
     # -- the one writer of its status, place in memory, leader, draft and end ----------------
 

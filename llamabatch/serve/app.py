@@ -29,6 +29,7 @@ from ..openai_format import error_body, validation_message
 from .access import Access
 from .anthropic_api import anthropic_routes, error_body as anthropic_error_body
 from .batch_api import batch_routes, resume_batches
+from .infill_api import infill_routes
 from .metrics import Metrics
 from .models import ModelPool, Served
 from .openai_api import openai_routes
@@ -161,6 +162,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     app.include_router(openai_routes(serving, authorized, _errors, _GENERATION, settings.reasoning_budget, settings.pooling))
     app.include_router(tokenizer_routes(serving, authorized, _errors))
+    app.include_router(infill_routes(serving, authorized, _errors))
     app.include_router(anthropic_routes(serving, authorized, _errors, settings.reasoning_budget))
     app.include_router(responses_routes(serving, authorized, _errors, settings.reasoning_budget, store))
     if store is not None:

@@ -18,7 +18,7 @@ from .worker import EngineWorker
 
 async def answer(
     serving: Serving, model: str | None, stream: bool, http: HttpRequest, translate: Callable[[BatchEngine], Translated],
-    whole: Callable[[Reply], Awaitable[dict] | dict], events: Callable[[Reply, EngineWorker], AsyncIterator[str]],
+    whole: Callable[[Reply], Awaitable[dict] | dict | list], events: Callable[[Reply, EngineWorker], AsyncIterator[str]],
 ):
     """Hold the model, translate the request on a thread of its own (a template rendered and
     tokenized there, not on the event loop the streams share), submit it, and answer: `whole`

@@ -73,15 +73,20 @@ class Vocab:
         self.sep = llama_cpp.llama_vocab_sep(handle)  # -1: none
         self.add_eos = bool(llama_cpp.llama_vocab_get_add_eos(handle))
         self.add_sep = bool(llama_cpp.llama_vocab_get_add_sep(handle))
+        # fill-in-the-middle: prefix, suffix, middle, repository, file separator (-1: none)
+        self.fim = tuple(f(handle) for f in (llama_cpp.llama_vocab_fim_pre, llama_cpp.llama_vocab_fim_suf, llama_cpp.llama_vocab_fim_mid,
+                                             llama_cpp.llama_vocab_fim_rep, llama_cpp.llama_vocab_fim_sep))
         self._pieces: dict[int, bytes] = {}
         self._eog: dict[int, bool] = {}
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """`parse_special`: text such as "<eos>" becomes the special token (False: plain text, as
+        code around a gap to fill is read)."""
         data = text.encode()
         capacity = len(data) + 8
         while True:
             buf = (llama_cpp.llama_token * capacity)()
-            n = llama_cpp.llama_tokenize(self._handle, data, len(data), buf, capacity, add_special, True)
+            n = llama_cpp.llama_tokenize(self._handle, data, len(data), buf, capacity, add_special, parse_special)
             if n >= 0:
                 return buf[:n]
             capacity = -n  # too small: llama.cpp says how many it needs

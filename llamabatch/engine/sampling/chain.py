@@ -1,5 +1,6 @@
 """Which sampler a row gets (build_sampler), and llama.cpp's own sampler chain for the rows that
-ask for samplers the batched path does not implement: DRY, XTC, mirostat (v1, v2), typical-p, top-n-σ and dynamic temperature. Each such
+ask for samplers the batched path does not implement: DRY, XTC, mirostat (v1, v2), typical-p, top-n-σ, dynamic temperature,
+infill, or a chain in an order of their own (llama-server's `samplers`). Each such
 sequence owns a native chain (freed by close()), built in llama-server's order; every other row
 keeps the engine's own sampling, untouched by these.
 
@@ -76,12 +77,15 @@ def chain_for(params: SamplingParams, vocab: Vocab, n_ctx: int):
     def add(sampler) -> None:
         llama_cpp.llama_sampler_chain_add(chain, sampler)
 
+    if p.samplers is not None:
+        for name in p.samplers:
+            sampler = _named(name, p, vocab, n_ctx, seed)
+            if sampler is not None:
+                add(sampler)
+        add(llama_cpp.llama_sampler_init_greedy() if p.temperature == 0 else llama_cpp.llama_sampler_init_dist(seed))
+        return chain
     if p.dry_multiplier > 0:
-        breakers = [b.encode() for b in p.dry_sequence_breakers]
-        array = (ctypes.c_char_p * len(breakers))(*breakers)
-        last_n = n_ctx if p.dry_penalty_last_n == -1 else p.dry_penalty_last_n
-        add(llama_cpp.llama_sampler_init_dry(vocab.handle, p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n,
-                                             array, len(breakers)))
+        add(_dry(p, vocab, n_ctx))
     if p.temperature == 0:
         add(llama_cpp.llama_sampler_init_greedy())
     elif p.mirostat == 1:
@@ -106,3 +110,34 @@ def chain_for(params: SamplingParams, vocab: Vocab, n_ctx: int):
         add(llama_cpp.llama_sampler_init_temp_ext(p.temperature, p.dynatemp_range, p.dynatemp_exponent))
         add(llama_cpp.llama_sampler_init_dist(seed))
     return chain
+
+
+def _dry(p: SamplingParams, vocab: Vocab, n_ctx: int):
+    breakers = [b.encode() for b in p.dry_sequence_breakers]
+    array = (ctypes.c_char_p * len(breakers))(*breakers)
+    last_n = n_ctx if p.dry_penalty_last_n == -1 else p.dry_penalty_last_n
+    return llama_cpp.llama_sampler_init_dry(vocab.handle, p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n, array, len(breakers))
+
+
+def _named(name: str, p: SamplingParams, vocab: Vocab, n_ctx: int, seed: int):
+    """The llama.cpp sampler llama-server's `samplers` names, with the request's values (None:
+    nothing to add; penalties came first, in RowSampler.adjusted)."""
+    if name == "dry":
+        return _dry(p, vocab, n_ctx) if p.dry_multiplier > 0 else None
+    if name == "top_n_sigma":
+        return llama_cpp.llama_sampler_init_top_n_sigma(p.top_n_sigma)
+    if name == "top_k":
+        return llama_cpp.llama_sampler_init_top_k(p.top_k)
+    if name in ("typ_p", "typical_p"):
+        return llama_cpp.llama_sampler_init_typical(p.typical_p, 1)
+    if name == "top_p":
+        return llama_cpp.llama_sampler_init_top_p(p.top_p, 1)
+    if name == "min_p":
+        return llama_cpp.llama_sampler_init_min_p(p.min_p, 1)
+    if name == "xtc":
+        return llama_cpp.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, 1, seed)
+    if name == "temperature":
+        return llama_cpp.llama_sampler_init_temp_ext(p.temperature, p.dynatemp_range, p.dynatemp_exponent) if p.temperature else None
+    if name == "infill":  # merges candidates that begin alike, and ends the middle where the end is likely
+        return llama_cpp.llama_sampler_init_infill(vocab.handle)
+    return None  # penalties

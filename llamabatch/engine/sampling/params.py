@@ -18,6 +18,9 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces 
 # division by zero). Large ones are fine: 1e6 bans repeating.
 MIN_REPEAT_PENALTY = 0.01
 
+# llama-server's sampler names (common/sampling.cpp), the `samplers` a chain may be built from.
+# "penalties" is accepted in any place: penalties always come first here (RowSampler.adjusted).
+SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "typical_p", "top_p", "min_p", "xtc", "temperature", "infill")
 CONSTRAINTS = ("json_schema", "grammar", "regex", "choice", "lark")  # SamplingParams' constraint fields
 
 
@@ -68,6 +71,14 @@ class SamplingParams:
     # vLLM's: no end-of-generation token before this many tokens; no text of these words
     min_tokens: int = 0
     bad_words: tuple[str, ...] = ()
+    # Code filled in the middle (llama-server's): lines after the first indented by at least
+    # n_indent (text.TextStream), and no new line begun once max_predict_s seconds have passed
+    # since the first token (t_max_predict_ms: an editor's suggestion ends in time, at a line's end).
+    n_indent: int = 0
+    max_predict_s: float | None = None
+    # llama-server's `samplers`: the chain in this order, each with the fields above (chain.chain_for;
+    # temperature applies only where it is named, as there). None: the engine's own order.
+    samplers: tuple[str, ...] | None = None
     # LoRA adapters to decode under, as (adapter id, scale) pairs (llama-server's `lora` field;
     # ids absent are off). None: the engine's default, its --lora adapters.
     adapters: tuple[tuple[int, float], ...] | None = None
@@ -80,6 +91,8 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
+        if self.samplers is not None:
+            object.__setattr__(self, "samplers", tuple(self.samplers))
         if self.json_schema is not None:
             object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
         if self.logit_bias is not None:
@@ -128,6 +141,10 @@ class SamplingParams:
             yield "bad_words must be non-empty strings"
         if self.thinking_budget is not None and self.thinking_budget.tokens < 1:
             yield f"a thinking budget must be >= 1 token, got {self.thinking_budget.tokens}"
+        if self.n_indent < 0:
+            yield f"n_indent must be >= 0, got {self.n_indent}"
+        if self.max_predict_s is not None and not self.max_predict_s > 0:
+            yield f"t_max_predict_ms must be > 0, got {self.max_predict_s * 1000:g}"
         if any(not s for s in self.stop):
             yield "stop strings must not be empty"
         if self.json_schema == "":
@@ -167,12 +184,17 @@ class SamplingParams:
             yield f"dynatemp_range must be >= 0, got {self.dynatemp_range}"
         if self.dynatemp_exponent <= 0:
             yield f"dynatemp_exponent must be > 0, got {self.dynatemp_exponent}"
+        for name in self.samplers or ():
+            if name not in SAMPLERS:
+                yield f"samplers: unknown sampler {name!r} (known: {', '.join(SAMPLERS)})"
+        if self.samplers is not None and self.mirostat:
+            yield "samplers and mirostat are two chains: give one"
 
     @property
     def uses_chain(self) -> bool:
         """Asks for a sampler only llama.cpp's own chain implements (chain.ChainSampler)."""
         return (self.dry_multiplier > 0 or self.xtc_probability > 0 or self.mirostat != 0 or self.typical_p < 1
-                or self.top_n_sigma > 0 or self.dynatemp_range > 0)
+                or self.top_n_sigma > 0 or self.dynatemp_range > 0 or self.samplers is not None)
 
     def per_sample(self) -> list[SamplingParams]:
         """One set per sample, in order: sample k draws with seed + k, so n samples differ yet reproduce."""
