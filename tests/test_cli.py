@@ -207,3 +207,13 @@ def test_help_shows_flags_as_flags_and_reads_at_80_columns(command):
     verbose = next(line for line in lines if "--verbose" in line)
     assert "<" not in verbose  # a flag takes no value
     assert any("--kv-unified / --no-kv-unified" in line for line in lines)
+
+
+def test_serve_refuses_sleep_and_pool_options_that_cannot_apply(tiny_model):
+    for args, message in (
+        (["--sleep-idle", "0"], "--sleep-idle must be > 0 seconds, got 0.0"),
+        (["--max-loaded", "2"], "--max-loaded applies to several models"),
+        (["--sleep-idle", "60", "--replicas", "2"], "--sleep-idle frees one server's model"),
+    ):
+        result = runner.invoke(app, ["serve", "-m", str(tiny_model), *args])
+        assert result.exit_code == 1 and message in result.output, (args, result.output)

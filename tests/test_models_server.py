@@ -107,15 +107,37 @@ def test_a_model_with_work_in_flight_is_never_unloaded_for_another(serve, two_mo
     assert states(base) == {"alpha": "unloaded", "beta": "loaded"}
 
 
-def test_an_idle_model_unloads_after_idle_unload_seconds(serve, two_models):
+def test_an_idle_model_sleeps_after_sleep_idle_seconds(serve, two_models):
     base = several(serve, two_models, idle_unload=0.5)
     assert complete(base, "beta").status_code == 200
     assert states(base)["beta"] == "loaded"
     deadline = time.monotonic() + 10
-    while states(base)["beta"] != "unloaded" and time.monotonic() < deadline:
+    while states(base)["beta"] != "sleeping" and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert states(base)["beta"] == "unloaded"
+    assert states(base) == {"alpha": "unloaded", "beta": "sleeping"}  # (alpha was never loaded)
     assert complete(base, "beta").status_code == 200  # and loads again when asked for
+
+
+def test_one_model_sleeps_when_idle_answers_health_models_and_metrics_asleep_and_wakes_for_a_request(serve, tiny_model):
+    """--sleep-idle with one model: its engine is closed once idle; /health, /v1/models and
+    /metrics say so without loading it; the next request loads it and is answered as before."""
+    base = serve(n_parallel=2, idle_unload=0.5)
+    first = complete(base, "tiny")
+    assert first.status_code == 200
+
+    def loaded_gauge() -> str:
+        return next(line for line in httpx.get(f"{base}/metrics").text.splitlines() if line.startswith("llamabatch_model_loaded{"))
+
+    assert loaded_gauge().endswith(" 1.0")
+    deadline = time.monotonic() + 10
+    while states(base)["tiny"] != "sleeping" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for _ in range(3):  # asking how it is does not wake it
+        assert httpx.get(f"{base}/health").json() == {"status": "ok", "model": "sleeping"}
+        assert states(base) == {"tiny": "sleeping"} and loaded_gauge().endswith(" 0.0")
+    again = complete(base, "tiny")
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert states(base) == {"tiny": "loaded"} and httpx.get(f"{base}/health").json() == {"status": "ok"}
 
 
 def test_a_failed_load_fails_its_requests_and_the_next_request_tries_again(serve, two_models, tmp_path):

@@ -35,7 +35,8 @@ def serve(
     max_loaded: Annotated[Optional[int], typer.Option(
         "--max-loaded", help="Several models: at most this many loaded at once (the least recently used idle one unloads for another).")] = None,
     idle_unload: Annotated[Optional[float], typer.Option(
-        "--idle-unload", metavar="SECONDS", help="Several models: unload a model idle this long.")] = None,
+        "--sleep-idle", "--idle-unload", metavar="SECONDS",
+        help="Free a model's memory once it has had no work this long (it sleeps: /health, /v1/models and /metrics answer without waking it, and the next request that needs it loads it again).")] = None,
     config: CatalogOpt = None,
     parallel: ParallelOpt = None,
     ctx: CtxOpt = None,
@@ -110,12 +111,14 @@ def serve(
         raise LlamabatchError("--parallel auto plans for this machine's memory, not each replica's: give --parallel N")
     names = _served_names(model, models, config)
     several = len(names) > 1
-    pool_options = {"--max-loaded": max_loaded, "--idle-unload": idle_unload}
+    if idle_unload is not None and idle_unload <= 0:
+        raise LlamabatchError(f"--sleep-idle must be > 0 seconds, got {idle_unload}")
+    if idle_unload is not None and replicas is not None:
+        raise LlamabatchError("--sleep-idle frees one server's model: Ray Serve scales --replicas itself, drop one of them")
     if several:
-        _check_several(replicas, parallel, max_loaded, idle_unload)
-    elif any(v is not None for v in pool_options.values()):
-        given = ", ".join(k for k, v in pool_options.items() if v is not None)
-        raise LlamabatchError(f"{given} applies to several models: give more than one --model (or --models)")
+        _check_several(replicas, parallel, max_loaded)
+    elif max_loaded is not None:
+        raise LlamabatchError("--max-loaded applies to several models: give more than one --model (or --models)")
     if not several:  # an unknown model or a missing file fails here, not in a thread (with several: at its load)
         for name in (names[0], draft_model) if draft_model else (names[0],):
             Catalog.load(config).resolve(name).gguf_path()
@@ -206,15 +209,13 @@ def _served_names(model: list[str] | None, models: str | None, config: Path | No
     return unique or [None]
 
 
-def _check_several(replicas, parallel, max_loaded, idle_unload) -> None:
+def _check_several(replicas, parallel, max_loaded) -> None:
     if replicas is not None:
         raise LlamabatchError("--replicas serves one model: give one --model, or drop --replicas")
     if parallel == AUTO:
         raise LlamabatchError("--parallel auto plans one model's memory: with several models give --parallel N")
     if max_loaded is not None and max_loaded < 1:
         raise LlamabatchError(f"--max-loaded must be >= 1, got {max_loaded}")
-    if idle_unload is not None and idle_unload <= 0:
-        raise LlamabatchError(f"--idle-unload must be > 0 seconds, got {idle_unload}")
 
 
 def _serve_replicas(settings: ServerSettings, replicas: int | str, address: str, host: str, port: int) -> None:

@@ -57,7 +57,7 @@ class ServerSettings:
     models: dict[str, dict] = field(default_factory=dict)
     max_loaded: int | None = None
     memory: int | None = None  # bytes the loaded models share
-    idle_unload: float | None = None  # seconds
+    idle_unload: float | None = None  # seconds without work after which a model sleeps (is unloaded)
 
     def served(self) -> dict[str, dict]:
         """Every model's engine settings by name, the default first."""
@@ -75,6 +75,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     models = ModelPool(settings.served(), worker_for, max_loaded=settings.max_loaded, memory=settings.memory,
                        idle_unload=settings.idle_unload)
     metrics = Metrics(models.workers)
+    metrics.watch_states(models.models.values())
     serving = Serving(models, metrics, settings.request_timeout, settings.keepalive)
     store = Store(settings.data_dir) if settings.data_dir is not None else None
 
@@ -109,9 +110,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.get("/health", responses=_errors(503))
     async def health() -> dict:
-        if not models.several:  # one model: healthy once it serves
+        if not models.several:  # one model: healthy once it serves, or while it sleeps
+            served = models.models[models.default]
+            if served.state == "sleeping":
+                return {"status": "ok", "model": "sleeping"}
             try:
-                serving.engine(models.models[models.default])
+                serving.engine(served)
             except HTTPException as e:
                 return _error(e.status_code, str(e.detail))
         return {"status": "ok"}
@@ -123,7 +127,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorized)], responses=_errors(401, 503))
     async def list_models() -> dict:
-        if not models.several:
+        if not models.several and models.models[models.default].state != "sleeping":
             serving.engine(models.models[models.default])  # 503 until it has loaded
         cards = []
         for served in models.models.values():

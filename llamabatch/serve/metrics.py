@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from ..engine.snapshot import CLASSES  # a label on the metrics that differ by entry point
+from .models import Served
 from .worker import EngineWorker, Observer, StepReport
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -37,6 +38,7 @@ class Metrics:
         self.running = Gauge("llamabatch_sequences_running", "Sequences holding a slot", [*m, "class"], registry=r)
         self.queued = Gauge("llamabatch_sequences_queued", "Sequences waiting for a slot", [*m, "class"], registry=r)
         self.batches = Gauge("llamabatch_batches_in_progress", "Batch API batches being run", m, registry=r)
+        self.loaded = Gauge("llamabatch_model_loaded", "1 while the model is loaded, 0 while it sleeps, loads or is unloaded", m, registry=r)
         self.kv_cells = Gauge("llamabatch_kv_cells_used", "KV cells held by running sequences", m, registry=r)
         self.finished = Counter("llamabatch_requests_finished", "Requests answered in full", m, registry=r)
         self.failed = Counter("llamabatch_requests_failed", "Requests refused, cancelled or timed out", m, registry=r)
@@ -84,6 +86,10 @@ class Metrics:
             gauge.labels(model).set_function(lambda field=field: getattr(worker.snapshot, field))
         self.finished.labels(model)
         self.failed.labels(model)
+
+    def watch_states(self, served: Iterable[Served]) -> None:
+        for model in served:
+            self.loaded.labels(model.name).set_function(lambda model=model: model.state == "loaded")
 
     def of(self, model: str) -> RequestCounters:
         return RequestCounters(self.finished.labels(model), self.failed.labels(model))

@@ -1,9 +1,12 @@
 """The models one server answers for: an engine worker each, loaded when asked for, unloaded when idle.
 
-With one model (`serve` as it always was) the model loads at start and stays. With several
-(`serve --model A --model B`, `--models a,b`, `--models all`), a model loads when the first request
-naming it comes (that request waits for the load; the other models' requests go on) and unloads:
-- when it has had no work for --idle-unload seconds;
+With one model (`serve` as it always was) the model loads at start and stays, unless it sleeps:
+with --sleep-idle, a model with no work for that long is unloaded (its memory freed) and the next
+request that needs it loads it again, while /health, /v1/models and /metrics answer without
+waking it. With several (`serve --model A --model B`, `--models a,b`, `--models all`), a model
+loads when the first request naming it comes (that request waits for the load; the other
+models' requests go on) and unloads:
+- when it has had no work for --sleep-idle seconds;
 - to make room for another, past --max-loaded models or past the --memory the loaded models share
   (each planned as `llamabatch plan` plans it), least recently used first.
 A model with work in flight (requests, sequences, embeddings, batches) is never unloaded; a
@@ -53,13 +56,16 @@ class Served:
     last_used: float = field(default_factory=time.monotonic)
     loads: int = 0
     load_seconds: float = 0.0  # its last load's
+    asleep: bool = False  # unloaded for having been idle (--sleep-idle), until a request loads it again
 
     @property
     def state(self) -> str:
         worker = self.worker
         if worker is not None and worker.engine is not None:
             return "loaded"
-        return "loading" if self.loading is not None or (worker is not None and worker.load_error is None) else "unloaded"
+        if self.loading is not None or (worker is not None and worker.load_error is None):
+            return "loading"
+        return "sleeping" if self.asleep else "unloaded"
 
     @property
     def busy(self) -> bool:
@@ -97,7 +103,7 @@ class ModelPool:
             served = self.models[self.default]
             served.worker = self.make_worker(served)
             served.worker.start()
-        elif self.idle_unload:
+        if self.idle_unload:
             self._idle_task = asyncio.ensure_future(self._unload_idle())
 
     def refuse(self, reason: str) -> None:
@@ -205,7 +211,7 @@ class ModelPool:
                 error = worker.load_error
                 await asyncio.to_thread(worker.stop)
                 raise ModelUnavailable(f"model {served.name} failed to load: {error}")
-            served.worker, served.error = worker, None
+            served.worker, served.error, served.asleep = worker, None, False
             served.loads += 1
             served.load_seconds = time.perf_counter() - started
             served.last_used = time.monotonic()
@@ -257,6 +263,7 @@ class ModelPool:
                     served.last_used = now
                 elif now - served.last_used >= self.idle_unload:
                     await self._unload(served)
+                    served.asleep = True
 
 
 def planned_bytes(settings: dict) -> int:
