@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from .chat import Tools
 from .chat.conversation import Answer
 from .engine import IMAGE_MARKER, BatchEngine, ImagePrompt, Infill, SamplingParams, Sequence
+from .engine.results import PromptProgress
 from .engine.sampling.constraints import Constraint
 from .engine.native.handles import Vocab
 from .engine.sampling.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED, MIN_REPEAT_PENALTY
@@ -154,6 +155,7 @@ class SamplingFields(Body):
     ignore_eos: StrictBool = False
     prompt_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # vLLM: each prompt token's, with alternatives
     stream: StrictBool = False
+    return_progress: StrictBool = False  # llama-server's: streams show how far the prompt has been read (prompt_progress)
     # vLLM's: lower runs first, preempting running work of a higher value when no slot is free
     # (serve --scheduling-policy priority; waiting ages it, so no value starves)
     priority: integer(ge=-MAX_PRIORITY, le=MAX_PRIORITY) = 0
@@ -193,7 +195,7 @@ class SamplingFields(Body):
         return SamplingParams(
             **fields, max_tokens=UNTIL_CONTEXT_FULL if limit is None else limit, stop=tuple(stop), bad_words=tuple(self.bad_words or ()),
             repeat_penalty=self.repeat_penalty_value(), logprobs=self.logprob_count(),
-            prompt_logprobs=self.prompt_logprob_count(), **self.constraint(),
+            prompt_logprobs=self.prompt_logprob_count(), prompt_progress=self.return_progress and self.stream, **self.constraint(),
         )
 
     def repeat_penalty_value(self) -> float:
@@ -501,6 +503,12 @@ def engine_inputs(body: SamplingFields, engine: BatchEngine, reasoning_budget: i
 
 
 # -- responses ---------------------------------------------------------------------------
+
+
+def prompt_progress(progress: PromptProgress) -> dict:
+    """llama-server's prompt_progress: prompt tokens in all, taken from a cache, read so far (the
+    cached ones included), and milliseconds since the prompt's reading began."""
+    return {"total": progress.total, "cache": progress.cached, "processed": progress.processed, "time_ms": round(1000 * progress.seconds, 3)}
 
 
 def usage(sequences: Seq[Sequence]) -> dict:

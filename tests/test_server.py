@@ -150,6 +150,32 @@ def test_streams_follow_the_sse_format(base):
     assert all(json.loads(e)["object"] == "text_completion" for e in events[:-1])
 
 
+def test_return_progress_streams_how_far_a_long_prompt_has_been_read(serve):
+    """llama-server's return_progress: a chunk with prompt_progress after each step that read a
+    chunk of the prompt (64-token chunks here), before the first token; the text is unchanged,
+    and the openai client reads such chunks (no choices) as it reads the usage chunk."""
+    base = serve(n_parallel=2, engine_extra={"n_batch": 64, "n_ubatch": 64})
+    prompt = [259 + k % 31 for k in range(300)]  # the tiny vocabulary's word pieces
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    def events(extra: dict) -> list[dict]:
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, **extra}) as response:
+            return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+
+    shown, plain = events({"return_progress": True}), events({})
+    progress = [e["prompt_progress"] for e in shown if "prompt_progress" in e]
+    total = progress[-1]["total"]
+    assert total == 300 and [p["processed"] for p in progress] == sorted({min(total, 64 * k) for k in range(1, total // 64 + 2)})
+    assert all(p["total"] == total and p["cache"] == 0 and p["time_ms"] >= 0 for p in progress)
+    assert shown.index(next(e for e in shown if e["choices"])) > len(progress) - 1  # every progress chunk before the text
+    assert [c["text"] for e in shown for c in e["choices"]] == [c["text"] for e in plain for c in e["choices"]]
+    assert not any("prompt_progress" in e for e in plain)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=2,
+                                                 stream=True, extra_body={"return_progress": True}))
+    assert any(getattr(c, "prompt_progress", None) for c in chunks) and any(c.choices for c in chunks)
+
+
 @pytest.mark.fresh_process
 def test_a_deterministic_server_answers_the_same_alone_and_under_load(serve):
     client = openai.OpenAI(base_url=f"{serve(n_parallel=4, engine_extra={'deterministic': True})}/v1", api_key="-", max_retries=0)

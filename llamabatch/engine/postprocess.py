@@ -8,7 +8,7 @@ import time
 from .config import EngineConfig
 from .memory.streams import Memory
 from .native.handles import Vocab
-from .results import Event, RunStats
+from .results import Event, PromptProgress, RunStats
 from .scheduling.scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -108,6 +108,12 @@ class Postprocessor:
             seq.hold(0)  # its slot keeps nothing
         seq.drop_draft()
         return self.finish(seq, None, "", "error", message)
+
+
+def progress_event(seq: Sequence) -> Event:
+    """How far the sequence's prompt has been read (SamplingParams.prompt_progress)."""
+    progress = PromptProgress(seq.n_prompt, seq.n_cached, min(seq.n_past, seq.n_prompt), time.perf_counter() - (seq.t_admitted or seq.t_submitted))
+    return Event(seq.index, None, "", sample=seq.sample, uid=seq.uid, progress=progress)
 
 
 def event(seq: Sequence, token: int | None, text: str, reason: str | None = None, error: str | None = None) -> Event:

@@ -19,6 +19,18 @@ class Event:
     sample: int = 0  # which of the prompt's n samples
     uid: int = -1  # the sequence's engine-wide id (indices repeat across submit calls)
     logprob: TokenLogprob | None = None  # with SamplingParams.logprobs
+    progress: PromptProgress | None = None  # with SamplingParams.prompt_progress: an event of its own (no token) per prompt chunk read
+
+
+@dataclass(frozen=True)
+class PromptProgress:
+    """How far a prompt has been read, after a step that read a chunk of it (llama-server's
+    prompt_progress: total, cache, processed, time_ms)."""
+
+    total: int  # prompt tokens
+    cached: int  # of them, taken from a cache (not read)
+    processed: int  # read so far, the cached ones included
+    seconds: float  # since the sequence took its slot
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from .memory.streams import MemoryRefused
 from .native.handles import INVALID_BATCH, KV_FULL
 from .native.projector import decode_images
 from .sampling.picker import Picker
-from .postprocess import Postprocessor
+from .postprocess import Postprocessor, progress_event
 from .results import Event, RunStats
 from .rows import Layout, lay_out, lay_out_decodes
 from .runtime import Runtime
@@ -122,6 +122,8 @@ class Stepper:
         rows: list[int] = []
         for k, (seq, n) in enumerate(zip(step.rows, step.chunks)):
             self._advance(seq, n, seq.uid in step.checkpoints, layout, k, logits, due, rows)
+            if seq.params.prompt_progress and seq.n_past <= seq.n_prompt:  # a chunk of its prompt
+                events.append(progress_event(seq))
         if due:
             self._sample(step, due, rows, logits, events)
         return len(step.rows), None

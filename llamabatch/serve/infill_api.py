@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from ..engine import BatchEngine, ExtraFile, Infill, SamplingParams, Sequence
-from ..openai_format import Body, EngineInputs, SamplingFields, error_body, request_params
+from ..openai_format import Body, EngineInputs, SamplingFields, error_body, prompt_progress, request_params
 from .dialects import answer, sse
 from .reply import Reply, Translated
 from .requests import Serving
@@ -120,7 +120,9 @@ async def _events(reply: Reply, worker: EngineWorker) -> AsyncIterator[str]:
     try:
         async for event in reply.events(worker):
             seq = by_uid[event.uid]
-            if event.finish_reason is not None:
+            if event.progress is not None:
+                yield sse({"index": seq.sample, "content": "", "stop": False, "prompt_progress": prompt_progress(event.progress)})
+            elif event.finish_reason is not None:
                 reply.raise_if_failed()
                 yield sse({**_result(reply, seq), "content": event.text})
             elif event.text:

@@ -16,7 +16,7 @@ from ..engine import BatchEngine
 from ..engine.embedding import Pooling
 from ..openai_format import (
     ChatRequest, CompletionRequest, EngineInputs, NonEmptyStr, SamplingFields, chat_logprobs, check_base_model, choice_index,
-    completion_logprobs, engine_inputs, error_body, prompt_logprobs, request_params, response_body, usage,
+    completion_logprobs, engine_inputs, error_body, prompt_logprobs, prompt_progress, request_params, response_body, usage,
 )
 from .dialects import answer, sse
 from .reply import Reply, Translated
@@ -98,6 +98,9 @@ async def _completion_chunks(reply: Reply, worker: EngineWorker) -> AsyncIterato
     by_uid = {seq.uid: seq for seq in reply.submission.sequences}
     started: set[int] = set()
     async for event in reply.events(worker):
+        if event.progress is not None:
+            yield _chunk(reply, [], prompt_progress=prompt_progress(event.progress))
+            continue
         if event.finish_reason is not None:
             reply.raise_if_failed()  # an error event, then [DONE]; the others are cancelled
         seq = by_uid[event.uid]
@@ -134,6 +137,9 @@ async def _chat_chunks(reply: Reply, worker: EngineWorker) -> AsyncIterator[str]
         first = {"index": seq.sample, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         yield _chunk(reply, [first], object="chat.completion.chunk")
     async for event in reply.events(worker):
+        if event.progress is not None:
+            yield _chunk(reply, [], object="chat.completion.chunk", prompt_progress=prompt_progress(event.progress))
+            continue
         if event.finish_reason is not None:
             reply.raise_if_failed()
         deltas = streams[event.uid].feed(event.text, final=event.finish_reason is not None) if event.text or event.finish_reason else []

@@ -76,6 +76,9 @@ class SamplingParams:
     # since the first token (t_max_predict_ms: an editor's suggestion ends in time, at a line's end).
     n_indent: int = 0
     max_predict_s: float | None = None
+    # An event (Event.progress) after each step that reads a chunk of the prompt (llama-server's
+    # return_progress): a long prompt's stream shows it is being read.
+    prompt_progress: bool = False
     # llama-server's `samplers`: the chain in this order, each with the fields above (chain.chain_for;
     # temperature applies only where it is named, as there). None: the engine's own order.
     samplers: tuple[str, ...] | None = None
