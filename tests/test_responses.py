@@ -112,8 +112,8 @@ def test_bad_requests_are_400s(clients):
     client = clients["chatml"]
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.responses.create(model="tiny", input="hi", tools=FUNCTIONS, tool_choice={"type": "function", "name": "nope"})
-    with pytest.raises(openai.BadRequestError, match="unknown field 'background'"):
-        client.responses.create(model="tiny", input="hi", background=True)
+    with pytest.raises(openai.BadRequestError, match="unknown field 'conversation'"):
+        client.responses.create(model="tiny", input="hi", extra_body={"conversation": "conv_1"})
     with pytest.raises(openai.NotFoundError, match="does not exist here"):
         client.responses.create(model="gpt-elsewhere", input="hi")
     with pytest.raises(openai.BadRequestError, match="the chat request this one means is invalid: messages"):  # a thought alone is no conversation

@@ -61,6 +61,9 @@ def serve(
     request_timeout: Annotated[float, typer.Option(help="Seconds before a request is cancelled (504).")] = 600.0,
     sse_keepalive: Annotated[float, typer.Option(
         help="Seconds of silence after which a stream sends an SSE comment (waiting in the queue, or behind a long prompt); 0: never.")] = 15.0,
+    resume_keep: Annotated[Optional[float], typer.Option(
+        help="A stream that outlives its connection (Responses' background, the X-Background header) is kept this many seconds after it ends (300), to be followed again or asked after.")] = None,
+    resume_events: Annotated[Optional[int], typer.Option(help="Of such a stream, this many latest events are kept (4096).")] = None,
     shutdown_timeout: Annotated[float, typer.Option(
         help="On Ctrl-C or SIGTERM: seconds the requests in flight may finish in (new ones get 503) before they end with an error; batches are left to resume.")] = 30.0,
     pooling: Annotated[Optional[str], typer.Option(help="/v1/embeddings: mean, cls or last (default: the GGUF's, else mean).")] = None,
@@ -143,8 +146,13 @@ def serve(
     tls = _tls(ssl_certfile, ssl_keyfile, replicas)
     if sse_keepalive < 0:
         raise LlamabatchError(f"--sse-keepalive must be >= 0 seconds (0: never), got {sse_keepalive}")
+    if resume_keep is not None and resume_keep < 0:
+        raise LlamabatchError(f"--resume-keep must be >= 0 seconds, got {resume_keep:g}")
+    if resume_events is not None and resume_events < 1:
+        raise LlamabatchError(f"--resume-events must be >= 1, got {resume_events}")
+    resume = {k: v for k, v in (("resume_keep", resume_keep), ("resume_events", resume_events)) if v is not None}
     settings = ServerSettings(engine=engine, access=access, max_queue=max_queue, request_timeout=request_timeout,
-                              keepalive=sse_keepalive or None,
+                              keepalive=sse_keepalive or None, **resume,
                               shutdown_timeout=shutdown_timeout,
                               pooling=parse_pooling(pooling), max_upload=max_upload_mb << 20, reasoning_budget=reasoning_budget,
                               data_dir=None if replicas is not None else data_dir or default_data_dir(),

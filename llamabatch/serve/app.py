@@ -35,7 +35,9 @@ from .models import ModelPool, Served
 from .openai_api import openai_routes
 from .requests import Serving, refusals
 from .responses_api import responses_routes
+from .replay import RESUME_EVENTS, RESUME_KEEP_S, Replays
 from .store import Store
+from .streams_api import stream_routes
 from .tokenizer_api import tokenizer_routes
 from .worker import EngineWorker
 
@@ -47,6 +49,8 @@ class ServerSettings:
     max_queue: int = 256  # sequences (and embedding requests) waiting before requests get 429, per model
     request_timeout: float = 600.0  # seconds until a request is cancelled and answered 504
     keepalive: float | None = 15.0  # seconds of silence after which a stream sends an SSE comment (None: never)
+    resume_keep: float = RESUME_KEEP_S  # seconds a stream that outlives its connection is kept after it ends
+    resume_events: int = RESUME_EVENTS  # of its latest events
     shutdown_timeout: float = 30.0  # seconds requests may drain as the server stops (serve/shutdown.py)
     pooling: Pooling | None = None  # /v1/embeddings: the GGUF's pooling, else mean, unless set
     data_dir: Path | None = None  # files and batches (OpenAI's Batch API); None: no batch API
@@ -76,7 +80,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                        idle_unload=settings.idle_unload)
     metrics = Metrics(models.workers)
     metrics.watch_states(models.models.values())
-    serving = Serving(models, metrics, settings.request_timeout, settings.keepalive)
+    serving = Serving(models, metrics, settings.request_timeout, settings.keepalive, Replays(settings.resume_keep, settings.resume_events))
     store = Store(settings.data_dir) if settings.data_dir is not None else None
 
     @asynccontextmanager
@@ -167,6 +171,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(openai_routes(serving, authorized, _errors, _GENERATION, settings.reasoning_budget, settings.pooling))
     app.include_router(tokenizer_routes(serving, authorized, _errors))
     app.include_router(infill_routes(serving, authorized, _errors))
+    app.include_router(stream_routes(serving, authorized, _errors))
     app.include_router(anthropic_routes(serving, authorized, _errors, settings.reasoning_budget))
     app.include_router(responses_routes(serving, authorized, _errors, settings.reasoning_budget, store))
     if store is not None:
@@ -199,6 +204,7 @@ _WHY = {
     401: "Missing or wrong API key (only with --api-key)",
     404: "Not found: a model that is neither a served one nor one of their adapters, or a file or batch id",
     409: "The model has requests in flight: it unloads when they are done",
+    410: "The stream's events asked for are no longer kept (--resume-events)",
     413: "The upload is larger than --max-upload-mb",
     429: "The queue is full (--max-queue); retry after Retry-After seconds",
     500: "The engine failed while generating the answer (the message says how)",

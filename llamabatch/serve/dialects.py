@@ -8,7 +8,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from fastapi import Request as HttpRequest
+from fastapi import HTTPException, Request as HttpRequest
 
 from ..engine import BatchEngine
 from .reply import Reply, Translated
@@ -19,20 +19,37 @@ from .worker import EngineWorker
 async def answer(
     serving: Serving, model: str | None, stream: bool, http: HttpRequest, translate: Callable[[BatchEngine], Translated],
     whole: Callable[[Reply], Awaitable[dict] | dict | list], events: Callable[[Reply, EngineWorker], AsyncIterator[str]],
+    background: str | None = None,
 ):
     """Hold the model, translate the request on a thread of its own (a template rendered and
     tokenized there, not on the event loop the streams share), submit it, and answer: `whole`
-    once every sequence has finished, or a stream of `events`. Refusals are HTTP errors (as_http)."""
+    once every sequence has finished, or a stream of `events`. Refusals are HTTP errors (as_http).
+
+    A request that outlives its connection (the X-Background header; Responses' `background`,
+    which names its id in `background`) runs its events on a task of their own, kept under that
+    id to be followed (replay.Replays): a streamed one is answered by following them; for one
+    not streamed, the Kept is returned for its dialect to answer."""
+    if background is None and _asks_background(http):
+        if not stream:
+            raise HTTPException(400, "X-Background keeps a stream to come back to: add \"stream\": true")
+        background = ""
     async with serving.using(model) as served:
         translated = await asyncio.to_thread(_translate, translate, serving.engine(served))
         request = translated.request
         submission = await serving.submit(served, translated.inputs.prompts, translated.inputs.params, request.priority)
         reply = serving.reply(served, submission, translated)
+        if background is not None:
+            kept = serving.detach(served, events(reply, served.worker), background or reply.id)
+            return serving.follow(kept) if stream else kept
         if stream:
             return serving.stream(served, events(reply, served.worker))
         await reply.drain(served.worker, http)
         body = whole(reply)
         return await body if asyncio.iscoroutine(body) else body
+
+
+def _asks_background(http: HttpRequest) -> bool:
+    return http.headers.get("x-background", "").lower() in ("1", "true", "yes")
 
 
 def _translate(translate: Callable[[BatchEngine], Translated], engine: BatchEngine) -> Translated:

@@ -24,15 +24,19 @@ from ..errors import DecodeError, EngineBroken, LlamabatchError
 from ..openai_format import failure, refusal_status, validation_message
 from .metrics import Metrics
 from .models import ModelBusy, ModelPool, ModelUnavailable, Served
+from .replay import RESUME_EVENTS, RESUME_KEEP_S, Kept, Replays
 from .reply import Reply, Translated
 from .store import NotFound
 from .worker import EngineUnavailable, EngineWorker, PoolingSubmission, QueueFull, Submission
 
 
 class Serving:
-    def __init__(self, models: ModelPool, metrics: Metrics, timeout: float, keepalive: float | None = None) -> None:
-        """`keepalive`: seconds of silence after which a stream sends an SSE comment (None: never)."""
+    def __init__(self, models: ModelPool, metrics: Metrics, timeout: float, keepalive: float | None = None,
+                 replays: Replays | None = None) -> None:
+        """`keepalive`: seconds of silence after which a stream sends an SSE comment (None: never);
+        `replays`: the streams that outlive their connection."""
         self.models, self.metrics, self.timeout, self.keepalive = models, metrics, timeout, keepalive
+        self.replays = replays or Replays(RESUME_KEEP_S, RESUME_EVENTS)
 
     # -- the model a request names ---------------------------------------------------------
 
@@ -64,6 +68,17 @@ class Serving:
         """Server-Sent Events, holding the model until the stream ends or its client leaves."""
         self.models.hold(served)
         return _HeldStream(chunks, lambda: self.models.release(served), self.keepalive)
+
+    def detach(self, served: Served, chunks: AsyncIterator[str], stream_id: str) -> Kept:
+        """Run a stream to its end whoever listens, its events kept to follow (replay.Replays);
+        the model is held until it ends."""
+        self.models.hold(served)
+        return self.replays.start(chunks, lambda: self.models.release(served), stream_id)
+
+    def follow(self, kept: Kept, after: int = -1) -> StreamingResponse:
+        """A kept stream's events after number `after`, as they come; a client that leaves stops
+        following, not the stream."""
+        return _HeldStream(self.replays.follow(kept, after), lambda: None, self.keepalive, {"X-Stream-Id": kept.id})
 
     @staticmethod
     def engine(served: Served) -> BatchEngine:
@@ -135,8 +150,9 @@ class _HeldStream(StreamingResponse):
     in which nothing else did: a stream waiting in the queue or behind a long prompt shows
     proxies and clients that it lives (clients skip comments)."""
 
-    def __init__(self, chunks: AsyncIterator[str], release: Callable[[], None], keepalive: float | None = None) -> None:
-        super().__init__(chunks, media_type="text/event-stream")
+    def __init__(self, chunks: AsyncIterator[str], release: Callable[[], None], keepalive: float | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(chunks, media_type="text/event-stream", headers=headers)
         self._release, self._keepalive = release, keepalive
 
     async def __call__(self, scope, receive, send) -> None:

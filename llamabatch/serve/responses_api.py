@@ -11,12 +11,13 @@ is false."""
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Literal, Union
 
-from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request as HttpRequest
 from pydantic import Field, StrictBool, StrictStr
 
 from ..chat.conversation import Answer
@@ -24,6 +25,7 @@ from ..engine import BatchEngine
 from ..errors import LlamabatchError
 from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, usage
 from .dialects import Blocks, answer, sse
+from .replay import Kept
 from .reply import Reply, Translated
 from .requests import Serving, refusals
 from .store import Store
@@ -141,6 +143,7 @@ class ResponsesRequest(Body):
     temperature: number(ge=0, le=2) | None = None
     top_p: number(gt=0, le=1) | None = None
     stream: StrictBool = False
+    background: StrictBool = False  # it outlives its connection: followed again, asked after, or cancelled by id
     previous_response_id: StrictStr | None = None
     store: StrictBool = True
     metadata: dict[StrictStr, StrictStr] | None = None
@@ -241,6 +244,7 @@ def response_object(body: ResponsesRequest, response_id: str, created: float, ou
            "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
            "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
            "previous_response_id": body.previous_response_id, "metadata": body.metadata or {}, "store": body.store,
+           "background": body.background,
            "text": {"format": {"type": "text"}} if body.text is None else body.text.model_dump(by_alias=True, exclude_none=True),
            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None, "usage": None}
     if sequences:
@@ -256,7 +260,7 @@ def response_object(body: ResponsesRequest, response_id: str, created: float, ou
 def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int, store: Store | None) -> APIRouter:
     router = APIRouter(dependencies=[Depends(authorized)])
 
-    def kept(body: ResponsesRequest, chat: ChatRequest, obj: dict, message: dict) -> None:
+    def keep(body: ResponsesRequest, chat: ChatRequest, obj: dict, message: dict) -> None:
         """Store a finished response with its conversation (instructions apart: they are this response's)."""
         if store is None or not body.store:
             return
@@ -281,7 +285,7 @@ def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int
             message = reply.answer.message(seq.text)
             status = "incomplete" if seq.finish_reason == "length" else "completed"
             obj = response_object(body, response_id, created, output_items(message), status, reply.submission.sequences)
-            await asyncio.to_thread(kept, body, reply.request, obj, message)
+            await asyncio.to_thread(keep, body, reply.request, obj, message)
             return obj
 
         async def events(reply: Reply, worker: EngineWorker) -> AsyncIterator[str]:
@@ -291,7 +295,7 @@ def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int
             (or .incomplete when max_output_tokens cut it). A failure after the start is response.failed."""
             items = _Items()
             start = response_object(body, response_id, created, [], "in_progress")
-            yield items.send("response.created", response=start)
+            yield items.send("response.created", response={**start, "status": "queued"} if body.background else start)
             yield items.send("response.in_progress", response=start)
             deltas: list[dict] = []
             try:
@@ -309,14 +313,41 @@ def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int
             seq = reply.submission.sequences[0]
             status = "incomplete" if seq.finish_reason == "length" else "completed"
             obj = response_object(body, response_id, created, items.items, status, reply.submission.sequences)
-            await asyncio.to_thread(kept, body, reply.request, obj, Answer.assembled(deltas))
+            await asyncio.to_thread(keep, body, reply.request, obj, Answer.assembled(deltas))
             yield items.send(f"response.{status}", response=obj)
 
-        return await answer(serving, body.model, body.stream, http, translate, whole, events)
+        if not body.background:
+            return await answer(serving, body.model, body.stream, http, translate, whole, events)
+        detached = await answer(serving, body.model, body.stream, http, translate, whole, events, background=response_id)
+        return detached if body.stream else _latest(detached) or response_object(body, response_id, created, [], "queued")
 
-    @router.get("/v1/responses/{response_id}", responses=errors(401, 404))
-    async def get(response_id: str) -> dict:
+    @router.get("/v1/responses/{response_id}", responses={**errors(400, 401, 404, 410), 200: {"content": {
+        "application/json": {}, "text/event-stream": {"schema": {}}}}})
+    async def get(response_id: str, stream: bool = False, starting_after: int | None = Query(None, ge=-1),
+                  last_event_id: int | None = Header(None, ge=-1)):
+        """The response: while a background one runs (and --resume-keep seconds after), as far as
+        it has come; with stream=true, its events after sequence number `starting_after` (or the
+        Last-Event-ID header) as they come. Else as the store kept it."""
+        kept = serving.replays.find(response_id)
+        if stream:
+            if kept is None:
+                raise HTTPException(404, f"response {response_id!r} has no stream kept here: a background response's is, "
+                                         "while it runs and for --resume-keep seconds after")
+            after = starting_after if starting_after is not None else last_event_id if last_event_id is not None else -1
+            return serving.follow(kept, after)
+        if kept is not None:
+            return _latest(kept) or {"id": response_id, "object": "response", "status": "queued"}
         return (await asyncio.to_thread(_stored, store, response_id))[0]
+
+    @router.post("/v1/responses/{response_id}/cancel", responses=errors(400, 401, 404))
+    async def cancel(response_id: str) -> dict:
+        """A background response's sequences cancelled; it answers as it then stands."""
+        kept = serving.replays.find(response_id)
+        if kept is None:
+            await asyncio.to_thread(_stored, store, response_id)  # 404 for none at all
+            raise HTTPException(400, f"response {response_id!r} is not a running background response: only those can be cancelled")
+        await serving.replays.cancel(kept)
+        return _latest(kept) or {"id": response_id, "object": "response", "status": "cancelled"}
 
     @router.delete("/v1/responses/{response_id}", responses=errors(401, 404))
     async def delete(response_id: str) -> dict:
@@ -325,6 +356,17 @@ def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int
         return {"id": response_id, "object": "response", "deleted": True}
 
     return router
+
+
+def _latest(kept: Kept) -> dict | None:
+    """A background response as far as it has come: the response object its latest event
+    carries (None before its first), "cancelled" once cancelled."""
+    for event in reversed(kept.events):
+        data = json.loads(event[event.index("data: ") + 6:])
+        if "response" in data:
+            response = data["response"]
+            return {**response, "status": "cancelled"} if kept.cancelled else response
+    return None
 
 
 def _stored(store: Store | None, response_id: str) -> tuple[dict, list[dict]]:
