@@ -205,6 +205,39 @@ def test_the_server_reports_each_tier_in_metrics(serve):
     assert 'llamabatch_prompt_cache_kept_total{model="tiny"} 2.0' in metrics
 
 
+def test_concurrent_conversations_never_get_more_of_a_cached_state_than_they_share(serve):
+    """Six conversations at once over two slots and the RAM tier, each turn its conversation's
+    last prompt and more, all behind one system prefix: a request's cached_tokens never exceeds
+    the longest prefix its prompt shares with any prompt sent (the generated tokens cannot extend
+    it: every new piece starts with a token the answers are barred from), and the cache is used."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = serve(n_parallel=2, n_ctx=4096, engine_extra={"cache_ram": "256MiB"})
+    barred = 259  # a word piece: each new piece of a prompt starts with it, no answer ever does
+    system = [260 + k % 20 for k in range(80)]
+
+    def converse(c: int) -> list[tuple[list[int], int]]:
+        prompt, seen = list(system), []
+        for turn in range(5):
+            prompt += [barred, 262 + c, *[270 + (c * 7 + turn + k) % 19 for k in range(18)]]
+            r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+                "prompt": prompt, "max_tokens": 4, "temperature": 0.8, "seed": c, "logit_bias": {str(barred): -100}})
+            assert r.status_code == 200, r.text
+            seen.append((list(prompt), r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        return seen
+
+    with ThreadPoolExecutor(6) as pool:
+        asked = [request for conversation in pool.map(converse, range(6)) for request in conversation]
+
+    def shared(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    for i, (prompt, cached) in enumerate(asked):
+        bound = max(shared(prompt, other) for j, (other, _) in enumerate(asked) if j != i)
+        assert cached <= bound, (i, cached, bound)
+    assert sum(cached for _, cached in asked) > len(asked) * len(system) // 2  # prefixes were reused
+
+
 def test_the_cli_keeps_prompts_on_disk_for_the_next_command(tiny_model, tmp_path):
     from typer.testing import CliRunner
 
