@@ -6,6 +6,7 @@ job files."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -158,7 +159,7 @@ def test_bad_adapters_are_named(make_engine, tiny_model, tmp_path):
 def test_bad_choices_of_adapters_fail_the_request_alone(make_engine, adapters):
     engine = make_engine(lora=loaded(adapters[0]))
     results = engine.generate(["hello", "world"], [GREEDY, with_adapters((0, 1.0))])
-    with pytest.raises(SamplingError, match=r"no adapter with id 3 \(this engine has ids 0..0\)"):
+    with pytest.raises(SamplingError, match=r"no adapter with id 3 \(this engine has ids 0\)"):
         engine.add("hello", with_adapters((3, 1.0)))
     with pytest.raises(SamplingError, match="adapter 0 is given twice"):
         with_adapters((0, 1.0), (0, 0.5))
@@ -263,3 +264,50 @@ def test_a_job_does_not_resume_under_other_adapters_or_cache_types(make_engine, 
         BatchJob(make_engine(lora=[str(adapters[1])]), source, output).run()
     with pytest.raises(LlamabatchError, match="cache_types \\['f16', 'f16'\\] -> \\['f32', 'f32'\\]"):
         BatchJob(make_engine(lora=[str(adapters[0])], cache_type_k="f32", cache_type_v="f32"), source, output).run()
+
+
+# -- adapters loaded and unloaded while serving -----------------------------------------------
+
+
+def test_an_adapter_loaded_while_serving_is_named_by_requests_and_unloaded_once_unused(serve, tiny_model, adapters, tmp_path):
+    """vLLM's routes: load an adapter from under --lora-dir, answer with it as the engine answers
+    with it loaded at start, refuse its unload while a stream uses it (409), unload it after; a new
+    load of the same name gets a new id. Outside --lora-dir, or without one, loading is refused."""
+    folder = adapters[0].parent
+    base = serve(n_parallel=2, lora_dir=folder)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    ask = dict(prompt="Once upon a time", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(model="tiny", **ask).choices[0].text
+    loaded_card = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": adapters[1].name}).json()
+    assert loaded_card["status"] == "loaded" and loaded_card["name"] == "late"
+    assert {m.id for m in client.models.list().data} == {"tiny", "late"}
+    with BatchEngine(tiny_model, n_parallel=1, n_threads=2, lora=[str(adapters[1])]) as reference:
+        expected = reference.generate([ask["prompt"]], GREEDY)[0].text
+    assert client.completions.create(model="late", **ask).choices[0].text == expected != plain
+
+    stream = client.completions.create(model="late", prompt="hello", max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))  # running under the adapter
+    busy = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "late"})
+    assert busy.status_code == 409 and "used by 1" in busy.json()["error"]["message"]
+    stream.close()  # its client leaves: the sequence is cancelled
+    deadline = time.monotonic() + 10
+    while (r := httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "late"})).status_code == 409:
+        assert time.monotonic() < deadline
+    assert r.status_code == 200 and r.json()["status"] == "unloaded"
+    assert {m.id for m in client.models.list().data} == {"tiny"}
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="late", **ask)
+    again = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": str(adapters[1])}).json()
+    assert again["id"] > loaded_card["id"]  # never an id another adapter had
+    assert client.completions.create(model="late", **ask).choices[0].text == expected
+
+    refused = {
+        "outside": httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "../../etc/passwd"}),
+        "not an adapter": httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "y", "lora_path": "nothing.gguf"}),
+        "taken": httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": adapters[0].name}),
+        "unknown": httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "never"}),
+    }
+    assert {k: r.status_code for k, r in refused.items()} == {"outside": 403, "not an adapter": 400, "taken": 400, "unknown": 404}
+    off = serve(n_parallel=1)
+    r = httpx.post(f"{off}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapters[0])})
+    assert r.status_code == 403 and "--lora-dir" in r.json()["error"]["message"]

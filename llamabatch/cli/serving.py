@@ -68,6 +68,8 @@ def serve(
         help="On Ctrl-C or SIGTERM: seconds the requests in flight may finish in (new ones get 503) before they end with an error; batches are left to resume.")] = 30.0,
     pooling: Annotated[Optional[str], typer.Option(help="/v1/embeddings: mean, cls or last (default: the GGUF's, else mean).")] = None,
     embed_pack: EmbedPackOpt = None,
+    lora_dir: Annotated[Optional[Path], typer.Option(
+        help="Let LoRA adapters be loaded and unloaded while serving (POST /v1/load_lora_adapter, /v1/unload_lora_adapter), from files under this folder only.")] = None,
     data_dir: Annotated[Optional[Path], typer.Option(help="Files and batches of the Batch API (/v1/files, /v1/batches), kept across restarts (default: ~/.local/share/llamabatch).")] = None,
     max_upload_mb: Annotated[int, typer.Option(help="Largest file upload, in MiB (413 beyond).")] = 200,
     scheduling_policy: Annotated[Optional[str], typer.Option(help="'priority' (default: by the requests' priority, batches below interactive requests, preempting) or 'fcfs'.")] = None,
@@ -154,7 +156,7 @@ def serve(
     settings = ServerSettings(engine=engine, access=access, max_queue=max_queue, request_timeout=request_timeout,
                               keepalive=sse_keepalive or None, **resume,
                               shutdown_timeout=shutdown_timeout,
-                              pooling=parse_pooling(pooling), max_upload=max_upload_mb << 20, reasoning_budget=reasoning_budget,
+                              pooling=parse_pooling(pooling), max_upload=max_upload_mb << 20, reasoning_budget=reasoning_budget, lora_dir=lora_dir,
                               data_dir=None if replicas is not None else data_dir or default_data_dir(),
                               models=served if several else {}, max_loaded=max_loaded, idle_unload=idle_unload,
                               memory=memory_budget(memory) if several else None)

@@ -1,8 +1,10 @@
-"""LoRA adapters: loaded once per engine, chosen per sequence, applied per step.
+"""LoRA adapters: loaded with the engine (or while it runs), chosen per sequence, applied per step.
 
 llama.cpp applies one adapter set to a whole decode (the context holds it; there is no
 per-sequence adapter), so a sequence's adapter set is part of what it is: the scheduler decodes
-one set per step, and KV computed under one set is never reused under another.
+one set per step, and KV computed under one set is never reused under another. An adapter loaded
+while the engine runs gets an id no adapter had before, and one unloaded leaves its id unused, so
+a slot's memory made under an adapter is never taken for another's.
 """
 
 from __future__ import annotations
@@ -75,27 +77,59 @@ def chosen_adapters(declared: Iterable[AdapterSpec], lora: Iterable[str]) -> lis
 
 
 class Adapters:
-    """The LoRA adapters an engine loaded (the --lora ones, then the catalog's for its model),
-    owned and freed together, before the model. `default` is what a sequence decodes under when
-    it asks for nothing: the --lora adapters at their scales."""
+    """The LoRA adapters an engine holds (the --lora ones, then the catalog's for its model, then
+    any loaded while it runs), owned and freed together, before the model. `default` is what a
+    sequence decodes under when it asks for nothing: the --lora adapters at their scales. `info`
+    is replaced whole on each change, so other threads read one version of it."""
 
     def __init__(self, model: Model, declared: Iterable[AdapterSpec], lora: Iterable[str]) -> None:
+        self.model = model
         self.chosen = chosen = chosen_adapters(declared, lora)  # (spec, applied by default), in id order
-        self.info: list[AdapterInfo] = []
-        self._loaded: list[LoraAdapter] = []
+        self.info: tuple[AdapterInfo, ...] = ()
+        self._loaded: dict[int, LoraAdapter] = {}
+        self._next_id = 0
         try:
-            for id, (spec, _) in enumerate(chosen):
-                try:
-                    path = check_gguf(spec.path)
-                except ModelError as e:
-                    raise ModelError(f"LoRA adapter {spec.name!r}: {e}") from None
-                self._loaded.append(LoraAdapter(model, path))
-                self.info.append(AdapterInfo(id, spec.name, spec.path, spec.scale))
+            for spec, _ in chosen:
+                self.load(spec.name, spec.path, spec.scale)
         except Exception:
             self.close()
             raise
+        self.n_fixed = len(chosen)  # ids below this are the engine's from the start (the prompt cache's files name them)
         self.default: AdapterSet = adapter_set((id, spec.scale) for id, (spec, applied) in enumerate(chosen) if applied)
         self._applied: AdapterSet = BASE  # what the context holds now: a new context has no adapters
+
+    def load(self, name: str, path: Path, scale: float = 1.0) -> AdapterInfo:
+        """Load an adapter under a new id; ModelError for a file that is not one of this model's adapters."""
+        if any(a.name == name for a in self.info):
+            raise ConfigError(f"a LoRA adapter named {name!r} is loaded already")
+        try:
+            adapter = LoraAdapter(self.model, check_gguf(path))
+        except ModelError as e:
+            raise ModelError(f"LoRA adapter {name!r}: {e}") from None
+        id, self._next_id = self._next_id, self._next_id + 1  # never an id another adapter had
+        self._loaded[id] = adapter
+        info = AdapterInfo(id, name, Path(path), scale)
+        self.info = (*self.info, info)
+        return info
+
+    def unload(self, ctx: Context, name: str) -> AdapterInfo:
+        """Free an adapter (the caller has made sure no sequence uses it); ConfigError for one of
+        the default set, UnknownModel for none of that name."""
+        adapter = self.named(name)
+        if any(id == adapter.id for id, _ in self.default):
+            raise ConfigError(f"LoRA adapter {name!r} is one of --lora's, applied to every request that names none: it stays")
+        if any(id == adapter.id for id, _ in self._applied):
+            ctx.set_adapters([], [])  # (llama.cpp must not hold an adapter it frees)
+            self._applied = BASE
+        self.info = tuple(a for a in self.info if a.id != adapter.id)
+        self._loaded.pop(adapter.id).close()
+        return adapter
+
+    def named(self, name: str) -> AdapterInfo:
+        adapter = next((a for a in self.info if a.name == name), None)
+        if adapter is None:
+            raise UnknownModel(f"no LoRA adapter named {name!r} is loaded (loaded: {', '.join(a.name for a in self.info) or 'none'})")
+        return adapter
 
     def by_model(self, model: str | None, served: set[str]) -> AdapterSet | None:
         """The set a request's `model` asks for: None for the served model (or none named), an
@@ -123,8 +157,8 @@ class Adapters:
 
     def check(self, pairs: AdapterSet) -> None:
         for id, _ in pairs:
-            if not 0 <= id < len(self.info):
-                have = f"ids 0..{len(self.info) - 1}" if self.info else "none loaded"
+            if id not in self._loaded:
+                have = f"ids {', '.join(str(a.id) for a in self.info)}" if self.info else "none loaded"
                 raise SamplingError(f"lora: no adapter with id {id} (this engine has {have})")
 
     def apply(self, ctx: Context, pairs: AdapterSet) -> bool:
@@ -141,5 +175,5 @@ class Adapters:
         ctx.set_adapters([self._loaded[id] for id, _ in pairs], [scale for _, scale in pairs])
 
     def close(self) -> None:
-        for adapter in self._loaded:
+        for adapter in self._loaded.values():
             adapter.close()

@@ -12,7 +12,8 @@ import numpy as np
 from ..catalog import Catalog
 from ..chat import Tools
 from ..chat.conversation import ChatPrompt
-from ..errors import ConfigError, PromptError
+from ..errors import ConfigError, LlamabatchError, PromptError
+from .adapters import AdapterInfo
 from .config import EngineConfig
 from .sampling.constraints import Grammars
 from .embedding import Embedder, Pooling, finish
@@ -38,6 +39,10 @@ LOGITS_BUDGET_BYTES = 256 << 20
 # least this often otherwise, and when the engine falls idle: taking one reads every running
 # sequence, which a step of a steady batch need not pay for.
 PUBLISH_EVERY_S = 0.025
+
+
+class AdapterBusy(LlamabatchError):
+    """An adapter asked to unload while sequences use it."""
 
 
 class BatchEngine:
@@ -75,7 +80,7 @@ class BatchEngine:
         self.grammars = Grammars(self.vocab)
         self.stats = RunStats()  # one object every part counts into
         self.intake = Intake(cfg, runtime, self.scheduler, self.grammars)
-        self.reuse = PrefixReuse(self.memory, self.scheduler, self.prompt_cache, self.stats)
+        self.reuse = PrefixReuse(self.memory, self.scheduler, self.prompt_cache, self.stats, self.adapters.n_fixed)
         self.post = Postprocessor(cfg, self.vocab, self.memory, self.scheduler, self.stats)
         self.picker = Picker(self.grammars, runtime.scratch, cfg.n_threads)  # its sampling threads are closed with the engine
         self.stepper = Stepper(cfg, runtime, self.scheduler, self.reuse, self.picker, self.post, self.stats)
@@ -257,6 +262,29 @@ class BatchEngine:
         """End a sequence of a broken engine with `error`, touching nothing of llama.cpp's."""
         seq.end("error", error)
         return event(seq, None, "", "error", error)
+
+    def load_adapter(self, name: str, path: str | Path, scale: float = 1.0) -> AdapterInfo:
+        """Load a LoRA adapter while the engine runs (between steps, on its thread): requests then
+        name it as their model, or by its id in their `lora` field. ModelError for a file that is
+        not an adapter of this model, ConfigError for a name in use."""
+        info = self.adapters.load(name, Path(path), scale)
+        self._adapters_changed()
+        return info
+
+    def unload_adapter(self, name: str) -> AdapterInfo:
+        """Free a LoRA adapter no queued or running sequence uses. AdapterBusy while one does,
+        UnknownModel for no adapter of that name, ConfigError for one of the --lora default set."""
+        adapter = self.adapters.named(name)
+        using = sum(any(id == adapter.id for id, _ in seq.adapters) for seq in [*self.scheduler.running, *self.scheduler.waiting])
+        if using:
+            raise AdapterBusy(f"LoRA adapter {name!r} is used by {using} queued or running sequence(s): unload it once they are done")
+        info = self.adapters.unload(self.ctx, name)
+        self._adapters_changed()
+        return info
+
+    def _adapters_changed(self) -> None:
+        self.facts = self._facts()
+        self.publish()
 
     def reset_stats(self) -> None:
         self.stats.reset()

@@ -277,7 +277,7 @@ def native_command(engine: BatchEngine, settings: SweepSettings, b: int) -> list
         "-fa", config.flash_attn, "-ctk", config.cache_type_k, "-ctv", config.cache_type_v,
         "-npp", str(settings.prompt_tokens), "-ntg", str(settings.gen_tokens), "-npl", str(b),
         "-kvu" if config.kv_unified else "-no-kvu", *(["-pps"] if settings.shared_prompt else []),
-        *[arg for id, scale in engine.adapters.default for arg in ("--lora-scaled", f"{engine.adapters.info[id].path}:{scale}")],
+        *[arg for a in engine.adapters.info for id, scale in engine.adapters.default if a.id == id for arg in ("--lora-scaled", f"{a.path}:{scale}")],
         *(["--rpc", ",".join(config.rpc)] if config.rpc else []),
         *(["-ts", ",".join(f"{x:g}" for x in config.tensor_split)] if config.tensor_split else []),
     ]

@@ -27,6 +27,7 @@ from ..engine import BatchEngine
 from ..engine.embedding import Pooling
 from ..openai_format import error_body, validation_message
 from .access import Access
+from .adapters_api import adapter_routes
 from .anthropic_api import anthropic_routes, error_body as anthropic_error_body
 from .batch_api import batch_routes, resume_batches
 from .infill_api import infill_routes
@@ -55,6 +56,7 @@ class ServerSettings:
     pooling: Pooling | None = None  # /v1/embeddings: the GGUF's pooling, else mean, unless set
     data_dir: Path | None = None  # files and batches (OpenAI's Batch API); None: no batch API
     max_upload: int = 200 << 20  # bytes a file upload may have (413 beyond)
+    lora_dir: Path | None = None  # LoRA adapters may be loaded at run time from files under it (None: not at all)
     reasoning_budget: int = -1  # a chat request's thought in tokens at most, unless it says (-1: no limit, 0: no thinking)
     # Several models (serve.models): each one's BatchEngine keyword arguments by name, `engine`'s
     # among them; loaded on demand, within these limits.
@@ -160,16 +162,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
             await models.unload(models.resolve(body.model))
         return {"success": True}
 
-    @app.get("/lora-adapters", dependencies=[Depends(authorized)], responses=_errors(401, 503))
-    async def lora_adapters(model: str | None = None) -> list[dict]:
-        """llama-server's listing: the ids a request's `lora` field names, with the default scales."""
-        async with serving.using(model) as served:
-            facts = serving.engine(served).facts
-            default = dict(facts.default_adapters)
-            return [{"id": a.id, "name": a.name, "path": str(a.path), "scale": default.get(a.id, 0.0)} for a in facts.adapters]
-
     app.include_router(openai_routes(serving, authorized, _errors, _GENERATION, settings.reasoning_budget, settings.pooling))
     app.include_router(tokenizer_routes(serving, authorized, _errors))
+    app.include_router(adapter_routes(serving, authorized, _errors, settings.lora_dir))
     app.include_router(infill_routes(serving, authorized, _errors))
     app.include_router(stream_routes(serving, authorized, _errors))
     app.include_router(anthropic_routes(serving, authorized, _errors, settings.reasoning_budget))
@@ -204,6 +199,7 @@ _WHY = {
     401: "Missing or wrong API key (only with --api-key)",
     404: "Not found: a model that is neither a served one nor one of their adapters, or a file or batch id",
     409: "The model has requests in flight: it unloads when they are done",
+    403: "Not allowed here: loading adapters at run time without --lora-dir, or a file outside it",
     410: "The stream's events asked for are no longer kept (--resume-events)",
     413: "The upload is larger than --max-upload-mb",
     429: "The queue is full (--max-queue); retry after Retry-After seconds",

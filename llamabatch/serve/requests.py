@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from ..engine import BatchEngine, SamplingParams
+from ..engine.batch_engine import AdapterBusy
 from ..engine.embedding import Pooling
 from ..errors import DecodeError, EngineBroken, LlamabatchError
 from ..openai_format import failure, refusal_status, validation_message
@@ -27,7 +28,7 @@ from .models import ModelBusy, ModelPool, ModelUnavailable, Served
 from .replay import RESUME_EVENTS, RESUME_KEEP_S, Kept, Replays
 from .reply import Reply, Translated
 from .store import NotFound
-from .worker import EngineUnavailable, EngineWorker, PoolingSubmission, QueueFull, Submission
+from .worker import EngineUnavailable, EngineWorker, PoolingSubmission, QueueFull, Submission, T
 
 
 class Serving:
@@ -79,6 +80,14 @@ class Serving:
         """A kept stream's events after number `after`, as they come; a client that leaves stops
         following, not the stream."""
         return _HeldStream(self.replays.follow(kept, after), lambda: None, self.keepalive, {"X-Stream-Id": kept.id})
+
+    async def on_engine(self, served: Served, action: Callable[[BatchEngine], T]) -> T:
+        """Run `action` on the model's engine thread, between steps; its refusals as HTTP errors."""
+        worker = served.worker
+        if worker is None:
+            raise HTTPException(503, f"model {served.name} is not loaded")
+        with refusals():
+            return await worker.call(action)
 
     @staticmethod
     def engine(served: Served) -> BatchEngine:
@@ -197,7 +206,7 @@ class _HeldStream(StreamingResponse):
 
 
 # Refusals whose status is not a request's fault (400) or an unknown model (404): by type.
-_STATUS = ((QueueFull, 429), (EngineUnavailable, 503), (ModelUnavailable, 503), (ModelBusy, 409), (NotFound, 404),
+_STATUS = ((QueueFull, 429), (EngineUnavailable, 503), (ModelUnavailable, 503), (ModelBusy, 409), (AdapterBusy, 409), (NotFound, 404),
            (DecodeError, 500), (EngineBroken, 500))
 
 

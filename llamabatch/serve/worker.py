@@ -24,12 +24,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ..engine import BatchEngine, Event, SamplingParams, Sequence
 from ..engine.embedding import Pooling
 from ..engine.snapshot import IDLE, EngineFacts, EngineSnapshot
 from ..errors import EngineBroken, LlamabatchError
 from .batch_runs import BatchRun
+
+T = TypeVar("T")
 
 
 log = logging.getLogger("llamabatch.serve")
@@ -219,6 +222,25 @@ class EngineWorker:
 
     def cancel_batch(self, batch_id: str) -> None:
         self._inbox.put(lambda: [run.stop("cancelled") for run in self._batches if run.id == batch_id])
+
+    async def call(self, action: Callable[[BatchEngine], T]) -> T:
+        """Run `action` on the engine's thread between steps (it may change the engine: load an
+        adapter, say), and answer with what it returned or raised."""
+        if self.refusal is not None:
+            raise EngineUnavailable(self.refusal)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = action(self.engine)
+            except Exception as e:  # noqa: BLE001 - the caller's to answer
+                loop.call_soon_threadsafe(_resolve, done, e)
+            else:
+                loop.call_soon_threadsafe(_resolve, done, None, result)
+
+        self._inbox.put(run)
+        return await done
 
     def pool(self, submission: PoolingSubmission) -> None:
         """Queue texts to embed or pairs to score: a waiting request counts as one in the queue

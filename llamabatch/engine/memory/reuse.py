@@ -12,8 +12,13 @@ from ..sequence import Sequence
 
 
 class PrefixReuse:
-    def __init__(self, memory: Memory, scheduler: Scheduler, prompt_cache: PromptCache | None, stats: RunStats) -> None:
+    def __init__(self, memory: Memory, scheduler: Scheduler, prompt_cache: PromptCache | None, stats: RunStats,
+                 fixed_adapters: int = 0) -> None:
+        """`fixed_adapters`: adapter ids below it are the engine's from its start; a prompt decoded
+        under one loaded later is not kept, since the cache's files name adapters by id and the next
+        process may give that id to another."""
         self.memory, self.scheduler, self.prompt_cache, self.stats = memory, scheduler, prompt_cache, stats
+        self.fixed_adapters = fixed_adapters
 
     def resume(self, seq: Sequence) -> None:
         """Give an admitted sequence its memory (memory.resume): what its slot keeps of the
@@ -44,6 +49,8 @@ class PrefixReuse:
         """The stream's memory (it holds exactly `tokens`) into the prompt cache."""
         cache = self.prompt_cache
         if len(tokens) < MIN_TOKENS or cache.holds(tokens, adapters) or self.memory.held(seq_id) != len(tokens):
+            return
+        if any(id >= self.fixed_adapters for id, _ in adapters):
             return
         state, checkpoints = self.memory.snapshot(seq_id)
         if state:
