@@ -18,9 +18,25 @@ from llamabatch.chat.conversation import Answer
 from llamabatch.engine import SamplingParams
 from llamabatch.chat.reasoning import ThinkingBudget
 
-from tiny_model import real_template, real_templates_kept, write_tiny_model
+from tiny_model import real_template, real_templates_folder, real_templates_kept, write_tiny_model
 
 pytestmark = pytest.mark.skipif(not real_templates_kept(), reason="llama.cpp's templates not kept (scripts/build_native.sh; CI runs it)")
+COLLECTION = sorted(path.stem for path in real_templates_folder().glob("*.jinja")) if real_templates_kept() else []
+
+
+@pytest.mark.parametrize("name", COLLECTION)
+def test_every_template_of_the_collection_renders_a_conversation_with_a_system_message(name):
+    """Each of llama.cpp's 70 templates renders what a client sends (Hugging Face's `generation`
+    block, tools left undefined when there are none, firefunction's `functions`), every message's
+    text in the prompt; one without a system role gets the system text folded into the first
+    user message, as llama.cpp folds it."""
+    template = ChatTemplate(real_template(name), name, "<s>", "</s>")
+    messages = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "What is the capital?"},
+                {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Spain?"}]
+    text = template.render(messages)
+    assert all(part in text for part in ("Answer in French.", "What is the capital?", "And of Spain?")), text
+    if not template.has_system_role:
+        assert "Answer in French.\nWhat is the capital?" in text
 
 QWEN25 = "Qwen-Qwen2.5-7B-Instruct"
 HERMES3 = "NousResearch-Hermes-3-Llama-3.1-8B-tool_use"

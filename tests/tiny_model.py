@@ -415,16 +415,20 @@ if __name__ == "__main__":  # python tests/tiny_model.py tiny.gguf: the model th
     print(write_tiny_model(Path(sys.argv[1])))
 
 
-def real_template(name: str) -> str:
-    """A model's own chat template from llama.cpp's collection (models/templates/NAME.jinja of the
-    vendored sources), which scripts/build_native.sh keeps beside the native tools."""
+def real_templates_folder() -> Path:
+    """llama.cpp's collection of models' chat templates (models/templates of the vendored
+    sources), which scripts/build_native.sh keeps beside the native tools."""
     import os
 
     import llama_cpp
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    folder = Path(os.environ.get("LLAMABATCH_NATIVE_DIR") or cache / "llamabatch" / "native" / llama_cpp.__version__)
-    return (folder / "templates" / f"{name}.jinja").read_text()
+    return Path(os.environ.get("LLAMABATCH_NATIVE_DIR") or cache / "llamabatch" / "native" / llama_cpp.__version__) / "templates"
+
+
+def real_template(name: str) -> str:
+    """A model's own chat template from llama.cpp's collection, by file name without .jinja."""
+    return (real_templates_folder() / f"{name}.jinja").read_text()
 
 
 def real_templates_kept() -> bool:
