@@ -15,7 +15,7 @@ import pytest
 
 from llamabatch.chat import ChatTemplate, Reasoning, ToolFormat, Tools
 from llamabatch.chat.conversation import Answer
-from llamabatch.engine import SamplingParams
+from llamabatch.engine import BatchEngine, SamplingParams
 from llamabatch.chat.reasoning import ThinkingBudget
 
 from tiny_model import real_template, real_templates_folder, real_templates_kept, write_tiny_model
@@ -345,6 +345,32 @@ def test_a_thinking_budget_closes_the_thought_and_the_answer_follows(clients, se
     base = serve(n_parallel=1, n_ctx=4096, model=family_models[R1], reasoning_budget=4)
     by_default = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0).chat.completions.create(**asked)
     assert by_default.choices[0].message.content and by_default.choices[0].message.model_extra["reasoning_content"]
+    off = client.chat.completions.create(**asked, extra_body={"reasoning_budget": 0}).choices[0].message
+    assert off.content and "reasoning_content" not in (off.model_extra or {})
+
+
+@pytest.mark.parametrize("name", COLLECTION)
+def test_a_thinking_budget_of_zero_leaves_no_thought_open_in_any_template(name, tiny_model):
+    """Budget 0 in each template of the collection: the prompt closes any thought it opened (the
+    templates that open one whatever enable_thinking says: DeepSeek R1's, MiniMax M2's, StepFun's,
+    Nemotron Nano v2's), and a thought the model may still open is closed as it opens."""
+    from llamabatch.chat.conversation import Chat
+
+    with BatchEngine(tiny_model, n_parallel=1, n_ctx=256, n_threads=1) as engine:
+        chat = Chat(ChatTemplate(real_template(name), name, "<s>", "</s>"), engine.vocab, None)
+        prompt = chat.prompt([{"role": "user", "content": "Hi"}], reasoning_budget=0)
+    reasoning = prompt.answer.reasoning
+    assert reasoning is None or (not reasoning.open and prompt.thinking_budget == ThinkingBudget(0))
+
+
+def test_budget_zero_answers_without_a_thought_where_the_template_opens_one_regardless(serve, tmp_path):
+    """DeepSeek R1 Distill Llama's template opens <think> whatever it is told: with reasoning_budget
+    0 the prompt closes it, and the whole answer is content; without, it is all thought."""
+    model = write_tiny_model(tmp_path / "tiny.gguf", chat_template=real_template("deepseek-ai-DeepSeek-R1-Distill-Llama-8B"))
+    client = openai.OpenAI(base_url=f"{serve(n_parallel=1, n_ctx=2048, model=model)}/v1", api_key="none", max_retries=0)
+    asked = dict(model="tiny", messages=ASK, temperature=0, max_tokens=12)
+    thinking = client.chat.completions.create(**asked).choices[0].message
+    assert thinking.model_extra["reasoning_content"] and not thinking.content
     off = client.chat.completions.create(**asked, extra_body={"reasoning_budget": 0}).choices[0].message
     assert off.content and "reasoning_content" not in (off.model_extra or {})
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .reasoning import Reasoning, ReasoningStream, ThinkingBudget
+from .reasoning import CLOSE, Reasoning, ReasoningStream, ThinkingBudget
 from .template import ChatTemplate
 from .tools import Generic, ToolFormat, Tools
 
@@ -150,11 +150,16 @@ class Chat:
         else:
             text = self._builtin_render([{"role": m["role"], "content": m.get("content") or ""} for m in shown])
         reasoning = Reasoning.of(self.template.source, text) if self.template.is_jinja else None
+        if reasoning is not None and reasoning.open and reasoning_budget == 0:
+            # a template that opens the thought whatever it is told (DeepSeek R1's, MiniMax M2's):
+            # closed in the prompt, as DeepSeek R1 Distill Qwen's own template closes it
+            text, reasoning = f"{text}{CLOSE}\n\n", None
         lark = format.grammar(tools) if tools is not None and tools.constrained else None
         if lark is not None and reasoning is not None and tools.required:
             lark = _after_thought(lark, reasoning)
         tokens = self.vocab.tokenize(text, add_special=self.adds_bos(text))
-        budget = ThinkingBudget(reasoning_budget, opened=reasoning.open) if reasoning is not None and reasoning_budget > 0 else None
+        # (budget 0 with a thought the model may still open: closed as soon as it opens)
+        budget = ThinkingBudget(reasoning_budget, opened=reasoning.open) if reasoning is not None and reasoning_budget >= 0 else None
         return ChatPrompt(text, tokens, lark, Answer(tools, format, reasoning), budget)
 
 

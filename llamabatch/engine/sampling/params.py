@@ -142,8 +142,8 @@ class SamplingParams:
             yield f"min_tokens must be in [0, max_tokens ({self.max_tokens})], got {self.min_tokens}"
         if any(not (isinstance(w, str) and w) for w in self.bad_words):
             yield "bad_words must be non-empty strings"
-        if self.thinking_budget is not None and self.thinking_budget.tokens < 1:
-            yield f"a thinking budget must be >= 1 token, got {self.thinking_budget.tokens}"
+        if self.thinking_budget is not None and self.thinking_budget.tokens < 0:
+            yield f"a thinking budget must be >= 0 tokens, got {self.thinking_budget.tokens}"
         if self.n_indent < 0:
             yield f"n_indent must be >= 0, got {self.n_indent}"
         if self.max_predict_s is not None and not self.max_predict_s > 0:

@@ -26,6 +26,9 @@ class Thought:
             head = self._text.lstrip()
             if head.startswith(self.budget.open):
                 self.inside, self._text = True, head[len(self.budget.open):]
+                if self.budget.tokens == 0:  # no thought at all: closed as it opens
+                    self.done = True
+                    return self.close_tokens
             elif head and not self.budget.open.startswith(head):
                 self.done = True  # the answer did not open with a thought: nothing to close
             return None
