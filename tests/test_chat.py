@@ -363,6 +363,53 @@ def test_a_thinking_budget_of_zero_leaves_no_thought_open_in_any_template(name, 
     assert reasoning is None or (not reasoning.open and prompt.thinking_budget == ThinkingBudget(0))
 
 
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model):
+    with BatchEngine(tiny_model, n_parallel=2, n_ctx=8192, n_threads=2) as engine:
+        yield engine
+
+
+BOUNDED = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("name", COLLECTION)
+def test_every_template_of_the_collection_writes_a_required_call_that_holds_to_a_bounded_schema(name, tiny_engine):
+    """tool_choice required, one tool whose string is bounded (maxLength 10), thinking off (the
+    tiny model never ends a thought): in each family's own form (JSON, or XML parameters whose
+    raw strings are held to their bounds too) the call parses and validates."""
+    from llamabatch.chat.conversation import Chat
+
+    chat = Chat(ChatTemplate(real_template(name), name, "<s>", "</s>"), tiny_engine.vocab, None)
+    tools = Tools.of([{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": BOUNDED}}],
+                     "required", False)
+    prompt = chat.prompt([{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Paris?"}], tools, None, 0)
+    params = SamplingParams(max_tokens=200, temperature=0, lark=prompt.lark, thinking_budget=prompt.thinking_budget)
+    [result] = tiny_engine.generate([prompt.tokens], params)
+    calls = prompt.answer.message(result.text).get("tool_calls") or []
+    assert result.finish_reason == "stop" and len(calls) == 1, (result.finish_reason, result.text[-200:])
+    jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), BOUNDED)
+
+
+@pytest.mark.parametrize("name", ["Qwen3-Coder", "GLM-4.6"])
+def test_xml_parameters_hold_patterns_consts_lengths_and_json_values(name, tiny_engine):
+    """In the XML families a string is written raw between tags: its pattern, const and length
+    bounds hold there as they do in JSON; other values are JSON."""
+    from llamabatch.chat.conversation import Chat
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["code", "unit", "note", "days", "when"], "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{3}$"}, "unit": {"type": "string", "const": "celsius"},
+        "note": {"type": "string", "minLength": 2, "maxLength": 6}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "when": {"type": "string", "format": "date"}}}
+    chat = Chat(ChatTemplate(real_template(name), name, "<s>", "</s>"), tiny_engine.vocab, None)
+    tools = Tools.of([{"type": "function", "function": {"name": "forecast", "parameters": schema}}], "required", False)
+    prompt = chat.prompt([{"role": "user", "content": "Forecast?"}], tools, None, 0)
+    [result] = tiny_engine.generate([prompt.tokens], SamplingParams(max_tokens=1000, temperature=0.8, seed=3, lark=prompt.lark))
+    [call] = prompt.answer.message(result.text)["tool_calls"]
+    arguments = json.loads(call["function"]["arguments"])
+    jsonschema.validate(arguments, schema, format_checker=jsonschema.FormatChecker())
+    assert arguments["unit"] == "celsius" and len(arguments["code"]) == 3
+
+
 def test_budget_zero_answers_without_a_thought_where_the_template_opens_one_regardless(serve, tmp_path):
     """DeepSeek R1 Distill Llama's template opens <think> whatever it is told: with reasoning_budget
     0 the prompt closes it, and the whole answer is content; without, it is all thought."""

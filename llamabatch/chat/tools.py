@@ -248,11 +248,17 @@ class XmlCalls(ToolFormat):
             required = set(tool.parameters.get("required") or ())
             for j, (key, schema) in enumerate(properties.items()):
                 rule, opening = f"p{i}_{j}", _lark_string(self.param_open(key))
-                if _free_string(schema):  # raw text up to the closing tag
+                bounded = _bounded_string(schema)
+                if bounded is None and _free_string(schema):  # raw text up to the closing tag
                     rules.append(f"{rule}: {opening} v{i}_{j} {_lark_string(self.after_value)}\n"
                                  f"v{i}_{j}[stop={_lark_string(self.value_close)}]: /(.|\\n)*/")
                 else:
-                    value = " | ".join(_lark_string(v) for v in schema["enum"]) if _string_enum(schema) else _json({**schema, "x-guidance": COMPACT})
+                    if bounded is not None:
+                        value = bounded
+                    elif _string_enum(schema):
+                        value = " | ".join(_lark_string(v) for v in schema["enum"])
+                    else:
+                        value = _json({**schema, "x-guidance": COMPACT})
                     rules.append(f"{rule}: {opening} ({value}) {_lark_string(self.value_close + self.after_value)}")
                 params.append(rule if key in required else f"{rule}?")
             rules.append(f"f{i}: {_lark_string(self.function_open(tool.name))} {' '.join(params)} {_lark_string(self.function_close)}")
@@ -318,10 +324,29 @@ def _free_string(schema: dict) -> bool:
     return schema.get("type") == "string" and not _string_enum(schema) and not any(k in schema for k in ("pattern", "format", "const"))
 
 
+def _bounded_string(schema: dict) -> str | None:
+    """A string argument written as it is between tags, as a Lark terminal held to its schema:
+    its const, its pattern (anchored as JSON Schema reads it: a match anywhere unless ^...$), or
+    its length bounds; such a value holds no "<" (its closing tag follows it). None for a string
+    with none of these (it runs up to its closing tag), or one that is not a plain string."""
+    if schema.get("type") != "string" or _string_enum(schema) or "format" in schema:
+        return None
+    if "const" in schema:
+        return _lark_string(str(schema["const"]))
+    if "pattern" in schema:
+        pattern = schema["pattern"]
+        core = pattern[1:-1] if pattern.startswith("^") and pattern.endswith("$") else f"[^<]*(?:{pattern})[^<]*"
+        return "/" + core.replace("/", "\\/") + "/"
+    if "maxLength" in schema or "minLength" in schema:
+        low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+        return f"/[^<]{{{low},{'' if high is None else int(high)}}}/"
+    return None
+
+
 def _xml_value(text: str, schema: dict):
-    """A parameter's value: strings as written, anything else read as JSON (Python's True and
-    False, as the template writes booleans, too)."""
-    if schema.get("type") == "string":
+    """A parameter's value: strings as written (a string with a format, written as JSON, read as
+    such), anything else read as JSON (Python's True and False, as the template writes booleans, too)."""
+    if schema.get("type") == "string" and not ("format" in schema and text.strip().startswith('"')):
         return text
     try:
         return json.loads(text)
