@@ -390,6 +390,29 @@ def test_every_template_of_the_collection_writes_a_required_call_that_holds_to_a
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), BOUNDED)
 
 
+@pytest.mark.parametrize("name", COLLECTION)
+def test_every_template_of_the_collection_carries_a_call_and_its_result_back(name, tiny_engine):
+    """A conversation with an assistant's call (content null, as clients send it) and the tool's
+    result renders in each template, the result and the call's argument in the prompt."""
+    from llamabatch.chat.conversation import Chat
+
+    chat = Chat(ChatTemplate(real_template(name), name, "<s>", "</s>"), tiny_engine.vocab, None)
+    call = {"id": "abcDEF123", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "abcDEF123", "content": "SUNNY-21C"}]
+    tools = Tools.of([{"type": "function", "function": {"name": "get_weather", "parameters": BOUNDED}}], "auto", True)
+    text = chat.prompt(messages, tools, None, 0).text
+    assert "SUNNY-21C" in text and "Paris" in text
+
+
+def test_the_guide_shows_the_collection_as_it_is_read():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    made = subprocess.run([sys.executable, str(root / "scripts" / "template_table.py")], capture_output=True, text=True, check=True)
+    assert made.stdout.strip() in (root / "docs" / "guides" / "tool-calls.md").read_text(), "python scripts/template_table.py"
+
+
 @pytest.mark.parametrize("name", ["Qwen3-Coder", "GLM-4.6"])
 def test_xml_parameters_hold_patterns_consts_lengths_and_json_values(name, tiny_engine):
     """In the XML families a string is written raw between tags: its pattern, const and length

@@ -169,12 +169,16 @@ def _function(tool) -> dict:
 
 
 def _for_template(message: dict, format: ToolFormat | None) -> dict:
-    """A message as templates read it: tool call arguments as objects (Hugging Face's convention);
-    for the generic family, calls and results written out as the JSON the model answers in."""
+    """A message as templates read it: tool call arguments as objects (Hugging Face's convention),
+    and a call's content "" where the client sent none (templates test it as text, as llama.cpp
+    gives it them); for the generic family, calls and results written out as the JSON the model
+    answers in."""
     shown = dict(message)
     calls = shown.get("tool_calls")
     if calls:
         shown["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(c["function"]["arguments"])}} for c in calls]
+        if shown.get("content") is None:
+            shown["content"] = ""
     if isinstance(format, Generic):
         if calls:
             written = [{"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])} for c in calls]
