@@ -34,6 +34,7 @@ from .infill_api import infill_routes
 from .metrics import Metrics
 from .models import ModelPool, Served
 from .openai_api import openai_routes
+from .page_api import page_routes
 from .requests import Serving, refusals
 from .responses_api import responses_routes
 from .replay import RESUME_EVENTS, RESUME_KEEP_S, Replays
@@ -167,6 +168,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(adapter_routes(serving, authorized, _errors, settings.lora_dir))
     app.include_router(infill_routes(serving, authorized, _errors))
     app.include_router(stream_routes(serving, authorized, _errors))
+    app.include_router(page_routes(serving, authorized, _errors, store is not None))
     app.include_router(anthropic_routes(serving, authorized, _errors, settings.reasoning_budget))
     app.include_router(responses_routes(serving, authorized, _errors, settings.reasoning_budget, store))
     if store is not None:

@@ -1,0 +1,89 @@
+"""The server's web page in a real browser (headless Chromium): it shows the models and their
+figures from the engine's snapshot, streams a playground chat as the API answers it, runs and
+cancels a batch uploaded through it, and asks for a key where the server wants one."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from browser import CHROMIUM, Browser
+from llamabatch.serve.access import Access
+
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium; CI installs it)")
+
+
+@pytest.fixture(scope="module")
+def site(serve, tmp_path_factory) -> str:
+    return serve(n_parallel=2, n_ctx=2048, data_dir=tmp_path_factory.mktemp("page") / "data")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with Browser.started() as started:
+        yield started
+
+
+def test_the_page_shows_each_model_and_its_throughput(site, browser):
+    browser.open(site + "/")
+    browser.wait("[...document.querySelectorAll('#models tr.model')].some(r => r.cells[0].textContent === 'tiny' && r.cells[1].textContent === 'loaded')")
+    assert browser.js("document.querySelector('#models tr.model').cells[2].textContent") == "0 of 2"
+    httpx.post(f"{site}/v1/completions", json={"prompt": "hello", "max_tokens": 300, "ignore_eos": True}, timeout=60)
+    # the page made a rate of two readings of the engine's token counter: it moved
+    browser.wait("(history.tiny || []).some((r, i, all) => i > 0 && r.tokens > all[i - 1].tokens)", timeout=10)
+    assert browser.js("document.getElementById('facts').textContent").startswith("attention, context 2048 a sequence")
+
+
+def test_the_playground_streams_the_answer_the_api_gives(site, browser):
+    browser.open(site + "/")
+    browser.wait("document.getElementById('inview').value === 'tiny'")
+    browser.js("""(() => { const chat = document.querySelector('.chat');
+        chat.querySelector('.temperature').value = '0'; chat.querySelector('.max-tokens').value = '12';
+        chat.querySelector('.message').value = 'Say hello'; chat.querySelector('.send').click(); })()""")
+    usage = browser.wait("document.querySelector('.chat .usage').textContent")
+    shown = browser.js("document.querySelector('.chat .answer').textContent")
+    client = openai.OpenAI(base_url=f"{site}/v1", api_key="none", max_retries=0)
+    expected = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hello"}], temperature=0, max_tokens=12)
+    assert shown == expected.choices[0].message.content
+    assert f"answer {expected.usage.completion_tokens} tokens" in usage and "first token" in usage
+
+
+def _pick(browser: Browser, lines: list[dict]) -> None:
+    text = json.dumps("".join(json.dumps(line) + "\n" for line in lines))
+    browser.js(f"""(() => {{ const input = document.getElementById('file'), files = new DataTransfer();
+        files.items.add(new File([{text}], 'jobs.jsonl')); input.files = files.files;
+        input.dispatchEvent(new Event('change')); }})()""")
+    browser.wait("!document.getElementById('start').disabled")
+
+
+def test_a_batch_started_from_the_page_runs_and_one_is_cancelled_there(site, browser):
+    browser.open(site + "/")
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": f"line {i}", "max_tokens": 4}}
+             for i in range(6)]
+    _pick(browser, lines)
+    assert browser.js("document.getElementById('filefigures').textContent") == "6 requests to /v1/completions"
+    browser.js("document.getElementById('start').click()")
+    browser.wait("[...document.querySelectorAll('#batches tr.batch')].some(r => r.cells[1].textContent === 'completed' && r.cells[2].textContent === '6 of 6' && !!r.querySelector('a.output_file_id'))")
+    browser.js("document.querySelector('#batches tr.batch a.output_file_id').click()")  # fetched with the page's key, kept as a blob
+    browser.wait("[...document.querySelectorAll('#batches a.output_file_id')].some(a => a.href.startsWith('blob:') && a.download.endsWith('-output.jsonl'))")
+    long = [{"custom_id": f"long{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 1500, "ignore_eos": True}}
+            for i in range(60)]
+    _pick(browser, long)
+    browser.js("document.getElementById('start').click()")
+    browser.wait("!!document.querySelector('#batches tr.batch button.cancel')")
+    batch_id = browser.js("document.querySelector('#batches tr.batch button.cancel').closest('tr').dataset.id")
+    browser.js("document.querySelector('#batches tr.batch button.cancel').click()")
+    browser.wait(f"[...document.querySelectorAll('#batches tr.batch')].some(r => r.dataset.id === '{batch_id}' && r.cells[1].textContent === 'cancelled')")
+    assert httpx.get(f"{site}/v1/batches/{batch_id}").json()["status"] == "cancelled"
+
+
+def test_a_server_that_wants_a_key_gets_it_from_the_page(serve, browser):
+    keyed = serve(n_parallel=1, access=Access(api_keys=frozenset({"s3cret"})))
+    browser.open(keyed + "/")
+    browser.wait("!document.getElementById('keybox').classList.contains('hidden')")
+    browser.js("document.getElementById('key').value = 's3cret'; document.getElementById('keysave').click()")
+    browser.wait("[...document.querySelectorAll('#models tr.model')].some(r => r.cells[1].textContent === 'loaded')")
+    assert httpx.get(f"{keyed}/v1/dashboard").status_code == 401
