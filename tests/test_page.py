@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from browser import CHROMIUM, Browser
+from benchmarks.browser import CHROMIUM, Browser
 from llamabatch.serve.access import Access
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium; CI installs it)")

@@ -1,9 +1,10 @@
-"""A real browser for the tests: headless Chromium (Debian's `chromium`), driven over the Chrome
+"""A real browser for the tests and benchmarks: headless Chromium (Debian's `chromium`), driven over the Chrome
 DevTools Protocol on a loopback port with the `websockets` client: open a page, evaluate
 JavaScript in it (awaiting promises), wait until an expression holds."""
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import os
@@ -14,11 +15,12 @@ import tempfile
 import time
 from contextlib import contextmanager
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 from websockets.sync.client import connect
 
-from conftest import free_port
+from .servers import free_port
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -78,6 +80,11 @@ class Browser:
         if "exceptionDetails" in result:
             raise AssertionError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
+
+    def screenshot(self, path: Path, width: int = 1280, height: int = 900) -> None:
+        """The page as a PNG of this size."""
+        self.send("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+        path.write_bytes(base64.b64decode(self.send("Page.captureScreenshot", format="png")["data"]))
 
     def wait(self, expression: str, timeout: float = 30.0):
         deadline = time.monotonic() + timeout
