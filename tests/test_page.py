@@ -51,6 +51,21 @@ def test_the_playground_streams_the_answer_the_api_gives(site, browser):
     assert f"answer {expected.usage.completion_tokens} tokens" in usage and "first token" in usage
 
 
+def test_the_playground_shows_a_tool_call_as_a_call(site, browser):
+    browser.open(site + "/")
+    browser.wait("document.getElementById('inview').value === 'tiny'")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"], "additionalProperties": False}}}]
+    browser.js(f"""(() => {{ const chat = document.querySelector('.chat');
+        chat.querySelector('.tools').value = {json.dumps(json.dumps(tools))}; chat.querySelector('.tool-choice').value = 'required';
+        chat.querySelector('.temperature').value = '0'; chat.querySelector('.max-tokens').value = '200';
+        chat.querySelector('.message').value = 'Weather in Oslo?'; chat.querySelector('.send').click(); }})()""")
+    browser.wait("document.querySelector('.chat .usage').textContent")
+    shown = browser.js("document.querySelector('.chat .call').textContent")
+    calls = [line.partition("(") for line in shown.splitlines()]  # one line a call (parallel calls allowed)
+    assert calls and all(name == "get_weather" and len(json.loads(arguments[:-1])["city"]) <= 8 for name, _, arguments in calls)
+
+
 def _pick(browser: Browser, lines: list[dict]) -> None:
     text = json.dumps("".join(json.dumps(line) + "\n" for line in lines))
     browser.js(f"""(() => {{ const input = document.getElementById('file'), files = new DataTransfer();
