@@ -107,6 +107,17 @@ def wait_for_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float = 
     raise AssertionError(f"{path} did not reach {n} lines (exit code {proc.poll()})")
 
 
+def native_built(tool: str) -> bool:
+    """Whether scripts/build_native.sh built this llama.cpp tool (tests that compare with it skip otherwise)."""
+    from llamabatch.errors import LlamabatchError
+    from llamabatch.measure.sweep import native_tool
+
+    try:
+        return native_tool(tool).is_file()
+    except LlamabatchError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

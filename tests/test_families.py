@@ -28,7 +28,7 @@ from llamabatch.engine.scheduling.budget import MIN_TOKENS
 from llamabatch.engine.sizing.planning import KvShape, plan_for
 from llamabatch.openai_format import chat_logprobs
 
-from conftest import wait_for_lines
+from conftest import native_built, wait_for_lines
 from tiny_model import FAMILIES, write_tiny_family, write_tiny_model
 
 # A token may flip where the run alone had its two best tokens this close (log-probabilities):
@@ -460,17 +460,7 @@ def test_a_batch_job_killed_and_resumed(family, tmp_path):
 # -- llama-server, on a hybrid model -------------------------------------------------------------
 
 
-def _llama_server_built() -> bool:
-    from llamabatch.errors import LlamabatchError
-    from llamabatch.measure.sweep import native_tool
-
-    try:
-        return native_tool("llama-server").is_file()
-    except LlamabatchError:
-        return False
-
-
-@pytest.mark.skipif(not _llama_server_built(), reason="llama-server not built (scripts/build_native.sh; CI builds it)")
+@pytest.mark.skipif(not native_built("llama-server"), reason="llama-server not built (scripts/build_native.sh; CI builds it)")
 def test_llama_server_and_we_agree_on_a_hybrid_model(tmp_path, serve):
     """The same two chat requests, the second behind the first one's 1,000-token prefix, to
     llama-server and to llamabatch serve on a tiny LFM2: the same greedy tokens (near-ties allowed),

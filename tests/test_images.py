@@ -16,8 +16,9 @@ import pytest
 from PIL import Image
 
 from llamabatch.engine import BatchEngine, ImagePrompt, SamplingParams
-from llamabatch.errors import LlamabatchError, ModelError
+from llamabatch.errors import ModelError
 from llamabatch.measure.sweep import native_tool
+from conftest import native_built
 from tiny_model import FAMILIES, write_tiny_family, write_tiny_model, write_tiny_projector
 
 MARKER = "<__media__>"
@@ -127,13 +128,6 @@ def test_images_on_every_family(arch, tmp_path, projector):
     assert all(r.completion_tokens == 6 or r.finish_reason == "stop" for r in results)
 
 
-def _mtmd_cli_built() -> bool:
-    try:
-        return native_tool("llama-mtmd-cli").is_file()
-    except LlamabatchError:
-        return False
-
-
 def _mtmd_cli_reply(model: Path, projector: Path, image: Path, prompt: str, n: int) -> bytes:
     """llama-mtmd-cli's greedy reply. Its log thread is not flushed at exit, so a run may lose
     the end of its output (here, about one run in two): a whole one ends with the reply's
@@ -158,7 +152,7 @@ def _mtmd_cli_reply(model: Path, projector: Path, image: Path, prompt: str, n: i
 CHATML_QUOTED = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{{ '<|im_start|>assistant\\n' }}"
 
 
-@pytest.mark.skipif(not _mtmd_cli_built(), reason="llama-mtmd-cli not built (scripts/build_native.sh; CI builds it)")
+@pytest.mark.skipif(not native_built("llama-mtmd-cli"), reason="llama-mtmd-cli not built (scripts/build_native.sh; CI builds it)")
 def test_greedy_tokens_equal_llama_mtmd_cli(projector, tmp_path):
     """`run --chat --image` and the engine underneath give llama-mtmd-cli's reply, byte for byte,
     for two images and two questions decoded together."""

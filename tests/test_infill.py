@@ -12,6 +12,7 @@ import pytest
 
 from llamabatch import BatchEngine, PromptError
 from llamabatch.engine import ExtraFile, Infill
+from conftest import native_built
 from tiny_model import BOS, FIM_TOKENS, Keys
 
 PRE, SUF, MID, REP, SEP = (FIM_TOKENS[k] for k in (Keys.Tokenizer.FIM_PRE_ID, Keys.Tokenizer.FIM_SUF_ID, Keys.Tokenizer.FIM_MID_ID,
@@ -120,17 +121,7 @@ def test_n_indent_ends_the_middle_where_its_block_does(fim_base, tiny_fim_model)
     assert got["content"] == "\n" and got["tokens_predicted"] == 2
 
 
-def _llama_server_built() -> bool:
-    from llamabatch.errors import LlamabatchError
-    from llamabatch.measure.sweep import native_tool
-
-    try:
-        return native_tool("llama-server").is_file()
-    except LlamabatchError:
-        return False
-
-
-@pytest.mark.skipif(not _llama_server_built(), reason="llama-server not built (scripts/build_native.sh; CI builds it)")
+@pytest.mark.skipif(not native_built("llama-server"), reason="llama-server not built (scripts/build_native.sh; CI builds it)")
 def test_llama_server_reads_the_same_prompt_and_writes_the_same_middle(fim_base, tiny_fim_model):
     from benchmarks.servers import llama_server
 

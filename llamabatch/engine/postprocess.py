@@ -44,16 +44,11 @@ class Postprocessor:
             seq.forced = seq.thought.after(piece.decode(errors="replace")) or []
         if stream.stopped or (seq.matcher is not None and seq.matcher.is_stopped()):
             return self.finish(seq, token, text, "stop")
-        if len(seq.tokens) >= seq.max_len or self._out_of_time(seq, piece):
+        limit = seq.params.max_predict_s
+        if len(seq.tokens) >= seq.max_len or (limit is not None and _out_of_time(seq, piece, limit)):
             return self.finish(seq, token, text, "length")
         # event(seq, token, text), inline: this line runs for every token of every sequence
         return Event(seq.index, token, text, None, None, seq.sample, seq.uid, seq.logprobs[-1] if seq.logprobs else None)
-
-    @staticmethod
-    def _out_of_time(seq: Sequence, piece: bytes) -> bool:
-        """A line ended after the sequence's time to generate ran out (max_predict_s)."""
-        limit = seq.params.max_predict_s
-        return limit is not None and b"\n" in piece and time.perf_counter() - (seq.t_first_token or 0.0) > limit
 
     def accept_plain(self, rows: list[Sequence], picks: list, events: list[Event]) -> None:
         """accept() for each row of a plain step none of whose sequences is special (no
@@ -108,6 +103,11 @@ class Postprocessor:
             seq.hold(0)  # its slot keeps nothing
         seq.drop_draft()
         return self.finish(seq, None, "", "error", message)
+
+
+def _out_of_time(seq: Sequence, piece: bytes, limit: float) -> bool:
+    """A line ended after the sequence's time to generate (max_predict_s) ran out."""
+    return b"\n" in piece and time.perf_counter() - (seq.t_first_token or 0.0) > limit
 
 
 def progress_event(seq: Sequence) -> Event:

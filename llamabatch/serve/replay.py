@@ -35,12 +35,18 @@ class Kept:
     first: int = 0
     ended: float | None = None  # when its producer finished (time.monotonic)
     cancelled: bool = False
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set, and replaced, at each change
     task: asyncio.Task | None = None
 
     @property
     def count(self) -> int:
         return self.first + len(self.events)
+
+    def wake(self) -> None:
+        """Followers waiting for more go on. Each waits on the event it took before it last looked,
+        so one follower never hides a change from another (a shared event cleared by one would)."""
+        woken, self.changed = self.changed, asyncio.Event()
+        woken.set()
 
 
 class Replays:
@@ -76,6 +82,13 @@ class Replays:
             kept.task.cancel()
             await asyncio.wait([kept.task])
 
+    @staticmethod
+    def last_read(starting_after: int | None, last_event_id: int | None) -> int:
+        """The event a client read last: ?starting_after=N, else its Last-Event-ID header, else none (-1)."""
+        if starting_after is not None:
+            return starting_after
+        return -1 if last_event_id is None else last_event_id
+
     def follow(self, kept: Kept, after: int = -1) -> AsyncIterator[str]:
         """Its events numbered after `after`, then each new one as it comes, until it ends; each
         with its number as the SSE id (what a client's Last-Event-ID sends back). A client that
@@ -87,7 +100,7 @@ class Replays:
     @staticmethod
     async def _events(kept: Kept, at: int) -> AsyncIterator[str]:
         while True:
-            kept.changed.clear()
+            changed = kept.changed  # taken before looking: whatever comes after sets it
             while at < kept.count:
                 if at < kept.first:  # dropped while this client was slow to read
                     yield _sse_error(410, f"events before {kept.first} of stream {kept.id} are no longer kept")
@@ -96,7 +109,7 @@ class Replays:
                 at += 1
             if kept.ended is not None:
                 return
-            await kept.changed.wait()
+            await changed.wait()
 
     async def _produce(self, kept: Kept, events: AsyncIterator[str], done: Callable[[], None]) -> None:
         try:  # (a cancel ends it at its next await: the events' own cleanup cancels their sequences)
@@ -107,7 +120,7 @@ class Replays:
             self._add(kept, _sse_error(500, f"the stream failed: {type(e).__name__}: {e}"))
         finally:
             kept.ended = time.monotonic()
-            kept.changed.set()
+            kept.wake()
             done()
 
     def _add(self, kept: Kept, event: str) -> None:
@@ -115,7 +128,7 @@ class Replays:
         if len(kept.events) > self.max_events:
             del kept.events[0]
             kept.first += 1
-        kept.changed.set()
+        kept.wake()
 
     def _expire(self) -> None:
         now = time.monotonic()

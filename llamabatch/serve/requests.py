@@ -82,12 +82,16 @@ class Serving:
         return _HeldStream(self.replays.follow(kept, after), lambda: None, self.keepalive, {"X-Stream-Id": kept.id})
 
     async def on_engine(self, served: Served, action: Callable[[BatchEngine], T]) -> T:
-        """Run `action` on the model's engine thread, between steps; its refusals as HTTP errors."""
+        """Run `action` on the model's engine thread, between steps; its refusals as HTTP errors,
+        504 when the engine thread does not come to it within the request timeout (it stopped)."""
         worker = served.worker
         if worker is None:
             raise HTTPException(503, f"model {served.name} is not loaded")
-        with refusals():
-            return await worker.call(action)
+        try:
+            with refusals():
+                return await asyncio.wait_for(worker.call(action), self.timeout)
+        except asyncio.TimeoutError:
+            raise HTTPException(504, f"the engine did not take the change within {self.timeout:g} s") from None
 
     @staticmethod
     def engine(served: Served) -> BatchEngine:

@@ -333,8 +333,7 @@ def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int
             if kept is None:
                 raise HTTPException(404, f"response {response_id!r} has no stream kept here: a background response's is, "
                                          "while it runs and for --resume-keep seconds after")
-            after = starting_after if starting_after is not None else last_event_id if last_event_id is not None else -1
-            return serving.follow(kept, after)
+            return serving.follow(kept, serving.replays.last_read(starting_after, last_event_id))
         if kept is not None:
             return _latest(kept) or {"id": response_id, "object": "response", "status": "queued"}
         return (await asyncio.to_thread(_stored, store, response_id))[0]

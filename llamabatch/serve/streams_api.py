@@ -17,8 +17,7 @@ def stream_routes(serving: Serving, authorized, errors) -> APIRouter:
     async def follow(stream_id: str, starting_after: int | None = Query(None, ge=-1), last_event_id: int | None = Header(None, ge=-1)):
         """Its events after `starting_after` (else after the Last-Event-ID header; else all that
         are kept), then each new one until it ends."""
-        after = starting_after if starting_after is not None else last_event_id if last_event_id is not None else -1
-        return serving.follow(serving.replays.get(stream_id), after)
+        return serving.follow(serving.replays.get(stream_id), serving.replays.last_read(starting_after, last_event_id))
 
     @router.post("/v1/streams/{stream_id}/cancel", responses=errors(401, 404))
     async def cancel(stream_id: str) -> dict:
