@@ -359,12 +359,17 @@ def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int
 
 def _latest(kept: Kept) -> dict | None:
     """A background response as far as it has come: the response object its latest event
-    carries (None before its first), "cancelled" once cancelled."""
+    carries (None before its first), "cancelled" once cancelled, "failed" when its stream ended
+    without a last word (it broke: never left "in_progress" for good)."""
     for event in reversed(kept.events):
         data = json.loads(event[event.index("data: ") + 6:])
         if "response" in data:
             response = data["response"]
-            return {**response, "status": "cancelled"} if kept.cancelled else response
+            if kept.cancelled:
+                return {**response, "status": "cancelled"}
+            if kept.ended is not None and response["status"] in ("queued", "in_progress"):
+                return {**response, "status": "failed", "error": {"code": "server_error", "message": "the response ended before it finished"}}
+            return response
     return None
 
 
