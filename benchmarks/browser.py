@@ -81,10 +81,16 @@ class Browser:
             raise AssertionError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    def screenshot(self, path: Path, width: int = 1280, height: int = 900) -> None:
-        """The page as a PNG of this size."""
+    def screenshot(self, path: Path, width: int = 1280, height: int = 900, selector: str | None = None) -> None:
+        """The page, in a window of this size, as a PNG: all of the window, or the element the
+        CSS selector picks."""
         self.send("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
-        path.write_bytes(base64.b64decode(self.send("Page.captureScreenshot", format="png")["data"]))
+        clip = {}
+        if selector is not None:
+            box = self.js(f"(() => {{ const r = document.querySelector({json.dumps(selector)}).getBoundingClientRect(); "
+                          "return {x: r.x + scrollX, y: r.y + scrollY, width: r.width, height: r.height, scale: 1}; })()")
+            clip = {"clip": box, "captureBeyondViewport": True}
+        path.write_bytes(base64.b64decode(self.send("Page.captureScreenshot", format="png", **clip)["data"]))
 
     def wait(self, expression: str, timeout: float = 30.0):
         deadline = time.monotonic() + timeout

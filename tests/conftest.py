@@ -170,3 +170,26 @@ def client(base):
     import openai  # a test dependency; imported here so conftest loads without it
 
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+class Faults:
+    """llama_decode answering `code` for the next `times` calls (None: every call), and
+    optionally taking `delay` seconds each time, real or not."""
+
+    def __init__(self, monkeypatch, code: int | None = -1, times: int | None = 1, after: int = 0, delay: float = 0.0):
+        self.code, self.left, self.after, self.delay = code, times, after, delay
+        self.real = llama_cpp.llama_decode
+        self.lock = threading.Lock()
+        monkeypatch.setattr(llama_cpp, "llama_decode", self)
+
+    def __call__(self, ctx, batch):
+        time.sleep(self.delay)
+        with self.lock:
+            if self.after > 0:
+                self.after -= 1
+                return self.real(ctx, batch)
+            if self.code is None or self.left == 0:
+                return self.real(ctx, batch)
+            if self.left is not None:
+                self.left -= 1
+        return self.code

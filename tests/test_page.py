@@ -5,15 +5,36 @@ cancels a batch uploaded through it, and asks for a key where the server wants o
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from benchmarks.browser import CHROMIUM, Browser
+from conftest import Faults
 from llamabatch.serve.access import Access
+from llamabatch.serve.page_api import PAGE
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium; CI installs it)")
+ESLINT = shutil.which("eslint")
+in_browser = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium; CI installs it)")
+
+
+@pytest.mark.skipif(ESLINT is None, reason="no eslint (apt-get install eslint; CI installs it)")
+def test_the_page_script_passes_eslint(tmp_path):
+    """ESLint's recommended rules and a few of its own (tests/data/page.eslintrc.json) on the
+    page's one script."""
+    script = tmp_path / "page.js"
+    script.write_text(re.search(r"<script>(.*?)</script>", PAGE.read_text(encoding="utf-8"), re.S).group(1))
+    config = Path(__file__).parent / "data" / "page.eslintrc.json"
+    # Debian's eslint finds its modules on NODE_PATH when node is not Debian's own
+    env = {**os.environ, "NODE_PATH": os.pathsep.join(filter(None, [os.environ.get("NODE_PATH"), "/usr/share/nodejs"]))}
+    linted = subprocess.run([ESLINT, "--no-eslintrc", "-c", str(config), script.name], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert linted.returncode == 0, linted.stdout + linted.stderr
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +48,18 @@ def browser():
         yield started
 
 
+@in_browser
 def test_the_page_shows_each_model_and_its_throughput(site, browser):
     browser.open(site + "/")
     browser.wait("[...document.querySelectorAll('#models tr.model')].some(r => r.cells[0].textContent === 'tiny' && r.cells[1].textContent === 'loaded')")
     assert browser.js("document.querySelector('#models tr.model').cells[2].textContent") == "0 of 2"
     httpx.post(f"{site}/v1/completions", json={"prompt": "hello", "max_tokens": 300, "ignore_eos": True}, timeout=60)
     # the page made a rate of two readings of the engine's token counter: it moved
-    browser.wait("(history.tiny || []).some((r, i, all) => i > 0 && r.tokens > all[i - 1].tokens)", timeout=10)
+    browser.wait("(readingsOf.tiny || []).some((r, i, all) => i > 0 && r.tokens > all[i - 1].tokens)", timeout=10)
     assert browser.js("document.getElementById('facts').textContent").startswith("attention, context 2048 a sequence")
 
 
+@in_browser
 def test_the_playground_streams_the_answer_the_api_gives(site, browser):
     browser.open(site + "/")
     browser.wait("document.getElementById('inview').value === 'tiny'")
@@ -51,6 +74,7 @@ def test_the_playground_streams_the_answer_the_api_gives(site, browser):
     assert f"answer {expected.usage.completion_tokens} tokens" in usage and "first token" in usage
 
 
+@in_browser
 def test_the_playground_shows_a_tool_call_as_a_call(site, browser):
     browser.open(site + "/")
     browser.wait("document.getElementById('inview').value === 'tiny'")
@@ -74,12 +98,38 @@ def _pick(browser: Browser, lines: list[dict]) -> None:
     browser.wait("!document.getElementById('start').disabled")
 
 
+@in_browser
+def test_a_picked_file_shows_its_estimate(site, browser):
+    browser.open(site + "/")
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": f"line {i}", "max_tokens": 5}}
+             for i in range(4)]
+    _pick(browser, lines)
+    shown = browser.wait("document.getElementById('filefigures').textContent.includes('prompt tokens') && document.getElementById('filefigures').textContent")
+    file_id = browser.js("uploaded.id")
+    guess = httpx.get(f"{site}/v1/files/{file_id}/estimate").json()
+    assert (guess["requests"], guess["max_new_tokens"], guess["model"]) == (4, 20, "tiny")
+    assert shown.startswith("4 requests to /v1/completions · ") and f"{guess['prompt_tokens']} prompt tokens, at most 20 generated" in shown
+
+
+@in_browser
+def test_a_request_that_fails_in_the_engine_is_listed_under_recent_errors(serve, browser, monkeypatch):
+    base = serve(n_parallel=1)
+    browser.open(base + "/")
+    browser.wait("!document.getElementById('nofailures').classList.contains('hidden')")
+    Faults(monkeypatch, code=1, times=1)  # llama_decode: no KV slot for the batch
+    failed = httpx.post(f"{base}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
+    assert failed.status_code == 500
+    row = browser.wait("document.querySelector('#failures tr.failure') && [...document.querySelector('#failures tr.failure').cells].map(c => c.textContent)")
+    assert row[1:3] == ["tiny", "interactive"] and row[3] == failed.json()["error"]["message"]
+
+
+@in_browser
 def test_a_batch_started_from_the_page_runs_and_one_is_cancelled_there(site, browser):
     browser.open(site + "/")
     lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": f"line {i}", "max_tokens": 4}}
              for i in range(6)]
     _pick(browser, lines)
-    assert browser.js("document.getElementById('filefigures').textContent") == "6 requests to /v1/completions"
+    assert browser.js("document.getElementById('filefigures').textContent").startswith("6 requests to /v1/completions")
     browser.js("document.getElementById('start').click()")
     browser.wait("[...document.querySelectorAll('#batches tr.batch')].some(r => r.cells[1].textContent === 'completed' && r.cells[2].textContent === '6 of 6' && !!r.querySelector('a.output_file_id'))")
     browser.js("document.querySelector('#batches tr.batch a.output_file_id').click()")  # fetched with the page's key, kept as a blob
@@ -95,6 +145,7 @@ def test_a_batch_started_from_the_page_runs_and_one_is_cancelled_there(site, bro
     assert httpx.get(f"{site}/v1/batches/{batch_id}").json()["status"] == "cancelled"
 
 
+@in_browser
 def test_a_server_that_wants_a_key_gets_it_from_the_page(serve, browser):
     keyed = serve(n_parallel=1, access=Access(api_keys=frozenset({"s3cret"})))
     browser.open(keyed + "/")

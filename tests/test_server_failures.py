@@ -6,40 +6,17 @@ fails in the server fails the same way in a batch job. Faults are llama_decode's
 from __future__ import annotations
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import llama_cpp
 import openai
 import pytest
 
 from llamabatch import BatchEngine
 from llamabatch.jobs import BatchJob
 
-
-class Faults:
-    """llama_decode answering `code` for the next `times` calls (None: every call), and
-    optionally taking `delay` seconds each time, real or not."""
-
-    def __init__(self, monkeypatch, code: int | None = -1, times: int | None = 1, after: int = 0, delay: float = 0.0):
-        self.code, self.left, self.after, self.delay = code, times, after, delay
-        self.real = llama_cpp.llama_decode
-        self.lock = threading.Lock()
-        monkeypatch.setattr(llama_cpp, "llama_decode", self)
-
-    def __call__(self, ctx, batch):
-        time.sleep(self.delay)
-        with self.lock:
-            if self.after > 0:
-                self.after -= 1
-                return self.real(ctx, batch)
-            if self.code is None or self.left == 0:
-                return self.real(ctx, batch)
-            if self.left is not None:
-                self.left -= 1
-        return self.code
+from conftest import Faults
 
 
 def client_of(base: str) -> openai.OpenAI:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..engine import BatchEngine, SamplingParams
-from ..engine.sizing.tuning import Tuning
+from ..engine.sizing.tuning import Tuning, load, settings_of
 from ..errors import LlamabatchError
 from ..openai_format import EngineInputs, engine_inputs
 from .inputs import BadLine, RequestReader
@@ -61,6 +61,12 @@ def estimate(engine: BatchEngine, source: str | Path, base: SamplingParams | Non
     # fewer sequences than slots decode in a smaller batch, at that batch's rate
     return JobEstimate(requests, bad, prompt_tokens, new_tokens, parallel, engine.ctx.kv_bytes,
                        expected_seconds(tuning, min(parallel, max(1, sequences)), prompt_tokens, new_tokens))
+
+
+def stored_tuning(engine: BatchEngine) -> Tuning | None:
+    """The batch-size measurement `llamabatch tune` stored for this engine's model and settings
+    on this machine, if one was made (the server's estimates measure nothing)."""
+    return load(settings_of(engine.config, engine.model.path))
 
 
 def expected_seconds(tuning: Tuning | None, parallel: int, prompt_tokens: int, new_tokens: int) -> float | None:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, StringConstraints
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from ..errors import LlamabatchError
+from ..jobs.estimate import estimate, stored_tuning
 from .batch_runs import BATCH_ENDPOINTS, batch_error, validated_run
 from .store import Store, batch_object, page
 from .models import ModelPool, Served
@@ -112,6 +113,20 @@ class FileDeleted(BaseModel):
     deleted: bool
 
 
+class FileEstimate(BaseModel):
+    """What `llamabatch batch --estimate` says of a batch input, on the model that would run it."""
+
+    model: str
+    requests: int
+    bad_lines: int = Field(description="lines that would fail without running")
+    prompt_tokens: int
+    max_new_tokens: int = Field(description="the most tokens the requests may generate")
+    parallel: int
+    kv_bytes: int
+    seconds: float | None = Field(description="expected run time, from `llamabatch tune`'s measurement for this model and "
+                                               "settings on this machine; null when none is stored")
+
+
 class UploadForm(BaseModel):
     """The multipart form POST /v1/files takes (parsed as it streams; documented here)."""
 
@@ -165,6 +180,20 @@ def batch_routes(store: Store, serving: Serving, authorized: Callable, errors: C
     async def file_content(file_id: str):
         stored = await _found(lambda: store.file(file_id))
         return FileResponse(stored.path, media_type="application/octet-stream", filename=stored.filename)
+
+    @router.get("/v1/files/{file_id}/estimate", response_model=FileEstimate, responses=errors(400, 401, 404, 503))
+    async def estimate_file(file_id: str) -> dict:
+        """llamabatch's own: a batch input's size and expected time before it runs, tokenized as
+        the batch would tokenize it, on the model its first line names."""
+        source = await _found(lambda: store.file(file_id))
+        served = await serving.acquire(await asyncio.to_thread(_first_model, source.path))
+        try:
+            engine = served.worker.engine
+            with refusals():
+                guess = await asyncio.to_thread(lambda: estimate(engine, source.path, None, stored_tuning(engine)))
+        finally:
+            serving.models.release(served)
+        return {"model": served.name, **guess.to_dict()}
 
     @router.post("/v1/batches", response_model=BatchObject, responses=errors(400, 401, 404, 503))
     async def create_batch(body: BatchCreate) -> dict:

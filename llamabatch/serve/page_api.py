@@ -28,16 +28,18 @@ def page_routes(serving: Serving, authorized, errors, has_store: bool) -> APIRou
 
     @router.get("/v1/dashboard", dependencies=[Depends(authorized)], responses=errors(401))
     async def dashboard() -> dict:
-        """Each model's state, facts and latest snapshot; counters are running totals (a page
-        makes rates of two readings)."""
+        """Each model's state, facts, latest snapshot and latest failures (newest first); counters
+        are running totals (a page makes rates of two readings)."""
         models = []
         for served in list(serving.models.models.values()):
             worker = served.worker
             facts = worker.facts if worker is not None else None
             snapshot = worker.snapshot if worker is not None else None
             queued, batches = (worker.queued, worker.n_batches) if worker is not None else (0, 0)
+            failures = worker.failures if worker is not None else ()
             models.append({
                 "name": served.name, "state": served.state, "error": served.error,
+                "failures": [dataclasses.asdict(f) for f in reversed(failures)],
                 "facts": None if facts is None else {
                     "n_parallel": facts.n_parallel, "n_ctx": facts.n_ctx, "n_ctx_seq": facts.n_ctx_seq,
                     "memory_family": facts.memory_family, "cache_types": [facts.cache_type_k, facts.cache_type_v],

@@ -42,6 +42,17 @@ STOPPING = "the server is stopping"  # why requests are refused, and those still
 # A client whose stream has this many steps' events it has not read has stopped reading: its
 # sequences are cancelled rather than generated into a buffer nobody empties.
 MAX_UNREAD_STEPS = 256
+RECENT_FAILURES = 20  # the web page lists this many of the latest
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A request that failed in the engine (not one refused for what it asked), or the engine
+    itself, as the web page lists it."""
+
+    time: float  # the wall clock's
+    where: str  # the priority class of the sequence that failed (interactive, batch), embeddings, or engine
+    message: str
 
 
 class QueueFull(LlamabatchError):
@@ -110,6 +121,7 @@ class EngineWorker:
         self.load_error: BaseException | None = None
         self.broken: str | None = None  # why the engine stopped serving, once it has
         self.stopping: str | None = None  # why it takes no more work, once the server stops
+        self.failures: tuple[Failure, ...] = ()  # the latest, oldest first: replaced whole by the worker thread
         self.ready = threading.Event()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._pooling: list[PoolingSubmission] = []  # taken, run after the inbox is drained
@@ -286,6 +298,7 @@ class EngineWorker:
         """The engine cannot go on: fail every request it holds or has queued, refuse the rest."""
         with self._pending_lock:
             self.broken = f"the engine stopped: {error}"
+        self._failed("engine", self.broken)
         self._fail_requests(self.broken, cancel=False)
         runs, self._batches = self._batches, []
         for run in runs:
@@ -387,6 +400,7 @@ class EngineWorker:
             try:
                 answers = self.engine.embedder(pooling).embed_groups([lists for _, lists in taken])
             except Exception as e:  # noqa: BLE001 - the decode failed: the requests it carried hear why
+                self._failed("embeddings", str(e))
                 for submission, _ in taken:
                     submission.loop.call_soon_threadsafe(_resolve, submission.done, e)
                 continue
@@ -436,7 +450,12 @@ class EngineWorker:
                 report.gaps.append(now - last)
             self._last_token_at[event.uid] = now
         if event.finish_reason is not None:
+            if event.finish_reason == "error":
+                self._failed(seq.priority_class, event.error or "error")
             self._forget(seq, report)
+
+    def _failed(self, where: str, message: str) -> None:
+        self.failures = (*self.failures, Failure(time.time(), where, message))[-RECENT_FAILURES:]
 
     def _forget(self, seq: Sequence, report: StepReport | None = None) -> None:
         self._owners.pop(seq.uid, None)
