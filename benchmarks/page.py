@@ -46,7 +46,7 @@ def run(args, report) -> None:
                     browser.open(server.base + "/")
                     browser.wait("document.querySelectorAll('#models tr.model').length > 0")
                     result = load(server.base, clients=args.clients, requests=per_client, max_tokens=args.max_tokens)
-                    result["page_readings"] = browser.js("(history[Object.keys(history)[0]] || []).length")
+                    result["page_readings"] = browser.js("(readingsOf[Object.keys(readingsOf)[0]] || []).length")
                     return result
 
         runs = alternate({"without": lambda: side(False), "page open": lambda: side(True)}, args.rounds, label="page")
