@@ -487,7 +487,7 @@ def engine_inputs(body: SamplingFields, engine: BatchEngine, reasoning_budget: i
             raise ConstraintError("tools and a response format both constrain the answer: give one, or tool_choice none")
         budget = reasoning_budget if body.reasoning_budget is None else body.reasoning_budget
         prompt = engine.chat_prompt([m.rendered() for m in body.messages], tools, body.chat_template_kwargs, budget)
-        params = replace(params, lark=prompt.lark, thinking_budget=prompt.thinking_budget)
+        params = replace(params, lark=prompt.lark, thinking_budget=prompt.thinking_budget, shown_tokens=prompt.shown_tokens)
         images = tuple(image for m in body.messages for image in m.images)
         if images:  # the projector reads the rendered text with them
             return EngineInputs([ImagePrompt(prompt.text, images, templated=True)], params, prompt.answer)

@@ -22,7 +22,7 @@ def thinking(template: ChatTemplate) -> str:
     if on is None:
         return "none"
     off = Reasoning.of(template.source, template.render(ASK, enable_thinking=False))
-    opened = "opened by the prompt" if on.open else "opened by the model"
+    opened = f"`{on.markup.open.strip()}` " + ("opened by the prompt" if on.open else "opened by the model")
     if off is None:
         return f"{opened}; off: the template closes it"
     if off.open:

@@ -47,8 +47,18 @@ MISTRAL = "mistralai-Mistral-Nemo-Instruct-2407"
 R1 = "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"
 QWEN3_CODER = "Qwen3-Coder"
 GLM = "GLM-4.6"
+KIMI = "Kimi-K2-Instruct"
+DEEPSEEK = "deepseek-ai-DeepSeek-V3.1"
+DSML = "deepseek-ai-DeepSeek-V3.2"
+COMMAND_R = "CohereForAI-c4ai-command-r7b-12-2024-tool_use"
+MINIMAX = "MiniMax-M2"
 
 # A thinking template's random model would think until max_tokens: four tokens of thought, then its calls.
+# Markers that are control tokens in their models' vocabularies (and could not be written as text
+# by the tiny model's: its tokenizer reads "▁" as a blank)
+CONTROLS = ("<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581sep\uff5c>",
+            "<\uff5ctool\u2581call\u2581end\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>")
+
 SHORT_THOUGHT = {"reasoning_budget": 4}
 # Closed values (enums, bounded integers) so that a random model's call ends within a few tokens.
 WEATHER = {"type": "function", "function": {
@@ -167,9 +177,10 @@ def test_a_streamed_answer_sends_prose_at_once_and_the_call_when_complete():
 def family_models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat-models")  # each served as "tiny", the name the requests give
     models = {}
-    for name in (QWEN25, LLAMA31, MISTRAL, QWEN3, R1, QWEN3_CODER, GLM):
+    for name in (QWEN25, LLAMA31, MISTRAL, QWEN3, R1, QWEN3_CODER, GLM, KIMI, DEEPSEEK, DSML, COMMAND_R, MINIMAX):
         (folder / name).mkdir()
-        models[name] = write_tiny_model(folder / name / "tiny.gguf", chat_template=real_template(name))
+        controls = CONTROLS if name == DEEPSEEK else ()
+        models[name] = write_tiny_model(folder / name / "tiny.gguf", chat_template=real_template(name), controls=controls)
     return models
 
 
@@ -181,12 +192,13 @@ def clients(serve, family_models, tiny_model):
     return {name: openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0) for name, base in bases.items()}
 
 
-@pytest.mark.parametrize("family", [QWEN25, LLAMA31, MISTRAL, QWEN3_CODER, GLM, "chatml"])
+@pytest.mark.parametrize("family", [QWEN25, LLAMA31, MISTRAL, QWEN3_CODER, GLM, KIMI, DEEPSEEK, DSML, COMMAND_R, MINIMAX, "chatml"])
 def test_required_and_named_tool_choices_return_calls_that_validate(clients, family):
     client = clients[family]
     for choice, name in (("required", None), ({"type": "function", "function": {"name": "get_time"}}, "get_time")):
+        # (DeepSeek's XML markup takes the tiny model, a token a character, near 200 tokens a call)
         reply = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice,
-                                               parallel_tool_calls=False, temperature=0, max_tokens=200, extra_body=SHORT_THOUGHT)
+                                               parallel_tool_calls=False, temperature=0, max_tokens=400, extra_body=SHORT_THOUGHT)
         choice0 = reply.choices[0]
         assert choice0.finish_reason == "tool_calls"
         assert_valid(choice0.message.tool_calls)
@@ -360,12 +372,13 @@ def test_a_thinking_budget_of_zero_leaves_no_thought_open_in_any_template(name, 
         chat = Chat(ChatTemplate(real_template(name), name, "<s>", "</s>"), engine.vocab, None)
         prompt = chat.prompt([{"role": "user", "content": "Hi"}], reasoning_budget=0)
     reasoning = prompt.answer.reasoning
-    assert reasoning is None or (not reasoning.open and prompt.thinking_budget == ThinkingBudget(0))
+    assert reasoning is None or (not reasoning.open and prompt.thinking_budget == ThinkingBudget(0, markup=reasoning.markup))
 
 
 @pytest.fixture(scope="module")
-def tiny_engine(tiny_model):
-    with BatchEngine(tiny_model, n_parallel=2, n_ctx=8192, n_threads=2) as engine:
+def tiny_engine(tmp_path_factory):
+    model = write_tiny_model(tmp_path_factory.mktemp("collection") / "tiny.gguf", controls=CONTROLS)
+    with BatchEngine(model, n_parallel=2, n_ctx=8192, n_threads=2) as engine:
         yield engine
 
 
@@ -383,7 +396,8 @@ def test_every_template_of_the_collection_writes_a_required_call_that_holds_to_a
     tools = Tools.of([{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": BOUNDED}}],
                      "required", False)
     prompt = chat.prompt([{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Paris?"}], tools, None, 0)
-    params = SamplingParams(max_tokens=200, temperature=0, lark=prompt.lark, thinking_budget=prompt.thinking_budget)
+    params = SamplingParams(max_tokens=200, temperature=0, lark=prompt.lark, thinking_budget=prompt.thinking_budget,
+                            shown_tokens=prompt.shown_tokens)
     [result] = tiny_engine.generate([prompt.tokens], params)
     calls = prompt.answer.message(result.text).get("tool_calls") or []
     assert result.finish_reason == "stop" and len(calls) == 1, (result.finish_reason, result.text[-200:])
@@ -456,3 +470,61 @@ def test_the_close_comes_exactly_at_the_budget(make_engine, family_models):
     generated = seq.tokens[seq.n_prompt:]
     assert generated[4:4 + len(close)] == close and "</think>" not in engine.vocab.detokenize(generated[:4])
     assert len(generated) == 30  # and the answer went on after it
+
+
+def test_a_marker_that_is_a_control_token_shows_in_the_answer_and_its_calls_read_back(serve, tmp_path):
+    """Mistral's [TOOL_CALLS] is a control token in its real vocabularies, which llama.cpp renders
+    as nothing: the answer shows it (as llama-server's preserved tokens), so the call reads back."""
+    model = write_tiny_model(tmp_path / "tiny.gguf", chat_template=real_template(MISTRAL), controls=("[TOOL_CALLS]",))
+    client = openai.OpenAI(base_url=f"{serve(n_parallel=1, n_ctx=4096, model=model)}/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, temperature=0, max_tokens=200)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert_valid(reply.choices[0].message.tool_calls)
+
+
+def test_a_thought_marked_by_control_tokens_comes_apart_from_the_answer(tmp_path):
+    """Magistral's [THINK] and [/THINK] are control tokens: a thought so marked shows its markers
+    in the text (without them it would run into the answer) and comes apart from the answer."""
+    from llamabatch.chat.conversation import Chat
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", controls=("[THINK]", "[/THINK]"))
+    name = "mistralai-Ministral-3-14B-Reasoning-2512"
+    with BatchEngine(model, n_parallel=1, n_ctx=2048, n_threads=1) as engine:
+        chat = Chat(ChatTemplate(real_template(name), name, "<s>", "</s>"), engine.vocab, None)
+        prompt = chat.prompt([{"role": "user", "content": "Hi"}])
+        written = f'start: {chat.lark("[THINK]")} "the sea" {chat.lark("[/THINK]")} " Paris"'
+        assert "<[" in written  # the markers are named as tokens: no text matches a control token
+        [shown] = engine.generate([prompt.tokens], SamplingParams(max_tokens=20, temperature=0, lark=written, shown_tokens=prompt.shown_tokens))
+        [hidden] = engine.generate([prompt.tokens], SamplingParams(max_tokens=20, temperature=0, lark=written))
+    assert (shown.text, hidden.text) == ("[THINK]the sea[/THINK] Paris", "the sea Paris")
+    message = prompt.answer.message(shown.text)
+    assert (message["reasoning_content"], message["content"]) == ("the sea", "Paris")  # (the blank after a thought is not the answer's)
+
+
+GPT_OSS = "openai-gpt-oss-120b"
+
+
+def test_gpt_oss_calls_on_its_commentary_channel_and_its_analysis_is_the_reasoning(serve, tmp_path):
+    """gpt-oss's harmony format: a required call is a message to the function on the commentary
+    channel, read back as OpenAI's call; an answer's analysis channel is its reasoning and its
+    final channel its content; budget 0 closes the analysis as it opens."""
+    from llamabatch.chat.conversation import Chat
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", chat_template=real_template(GPT_OSS))
+    client = openai.OpenAI(base_url=f"{serve(n_parallel=1, n_ctx=8192, model=model)}/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           temperature=0, max_tokens=200, extra_body={"reasoning_budget": 0})
+    assert reply.choices[0].finish_reason == "tool_calls" and len(reply.choices[0].message.tool_calls) == 1
+    assert_valid(reply.choices[0].message.tool_calls)
+    with BatchEngine(model, n_parallel=1, n_ctx=2048, n_threads=1) as engine:
+        chat = Chat(ChatTemplate(real_template(GPT_OSS), GPT_OSS, "<s>", "</s>"), engine.vocab, None)
+        prompt = chat.prompt(ASK, reasoning_budget=0)
+        assert prompt.text.endswith("<|start|>assistant") and prompt.thinking_budget.markup.close == "<|end|>"
+        answer = "<|channel|>analysis<|message|>Sunny, I think.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny."
+        assert prompt.answer.message(answer) == {"role": "assistant", "content": "It is sunny.", "reasoning_content": "Sunny, I think."}
+        # budget 0: the analysis the model opens is closed for it at once, and its answer follows
+        opened = 'start: "<|channel|>analysis<|message|>" /(.|\n){0,80}/'
+        [result] = engine.generate([prompt.tokens], SamplingParams(max_tokens=60, temperature=0, lark=opened, thinking_budget=prompt.thinking_budget))
+    opening = "<|channel|>analysis<|message|>"  # (the tiny vocabulary writes the closing with a blank before it)
+    assert result.text.startswith(opening) and result.text[len(opening):].lstrip().startswith("<|end|><|start|>assistant")

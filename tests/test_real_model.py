@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from llamabatch import BatchEngine, SamplingParams
 from llamabatch.cli import app
+from tiny_model import real_template, real_templates_kept
 
 pytestmark = pytest.mark.real_model
 
@@ -162,3 +164,28 @@ def test_gemma_embeddings_batched_equal_alone_and_rank_meaning(gemma):
     assert ((together * alone).sum(axis=1) > 0.999).all()
     cosine = together @ together.T
     assert cosine[0, 1] > cosine[0, 2] and cosine[0, 1] > cosine[1, 2]
+
+
+@pytest.mark.skipif(not real_templates_kept(), reason="llama.cpp's template collection not kept (scripts/build_native.sh)")
+@pytest.mark.parametrize("template", ["google-gemma-2-2b-it", "built-in gemma"])
+def test_the_default_model_speaks_its_familys_template_with_tools(gemma, template):
+    """Gemma 3 270M in its family's turn format (Gemma 2's template from llama.cpp's collection,
+    and the built-in its catalog entry names): a system message folded into the first turn, a
+    required call held to a bounded schema that validates, and a call's result carried back."""
+    from llamabatch.chat import ChatTemplate, Tools
+    from llamabatch.chat.conversation import Chat
+
+    # (the model ships no template: its own chat is the catalog's built-in)
+    chat = gemma.chat if template == "built-in gemma" else Chat(ChatTemplate(real_template(template), template, "<bos>", "<eos>"), gemma.vocab, None)
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the weather in Paris?"}]
+    assert "Answer briefly." in chat.prompt(messages).text
+    bounded = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"], "additionalProperties": False}
+    tools = Tools.of([{"type": "function", "function": {"name": "get_weather", "parameters": bounded}}], "required", False)
+    prompt = chat.prompt(messages, tools, None, 0)
+    [result] = gemma.generate([prompt.tokens], SamplingParams(max_tokens=64, temperature=0, lark=prompt.lark, shown_tokens=prompt.shown_tokens))
+    [call] = prompt.answer.message(result.text)["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), bounded)
+    carried = [*messages, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": call["id"], "content": "SUNNY-21C"}]
+    assert "SUNNY-21C" in chat.prompt(carried, tools, None, 0).text

@@ -80,13 +80,16 @@ def write_tiny_model(
     chat_template: str | None = CHATML,
     diffusion: bool = False,
     fim: bool = False,
+    controls: tuple[str, ...] = (),
 ) -> Path:
     """Write a tiny F32 llama model (with `diffusion`, Dream's: the same tensors, attending both ways). `always_eos` makes EOS the greedy choice at every step;
     `pieces` are the word pieces after the byte tokens; `pooling` (a llama_pooling_type) is
     written as the model's embedding pooling. `rank_head` writes a reranker instead: the qwen3
     architecture (llama's, with per-head norms), rank pooling and a two-label classifier
     ("yes", "no"), as llama.cpp's Qwen3 rerankers are converted. `chat_template` is the Jinja
-    template it carries (None: none). `fim` adds fill-in-the-middle tokens (FIM_TOKENS)."""
+    template it carries (None: none). `fim` adds fill-in-the-middle tokens (FIM_TOKENS);
+    `controls`, control tokens (llama.cpp renders them as nothing: a chat format's markers in many
+    real vocabularies, such as Mistral's [TOOL_CALLS])."""
     tokens, scores, types = vocabulary(pieces)
     fim_ids = {}
     if fim:
@@ -95,6 +98,10 @@ def write_tiny_model(
             tokens.append(text)
             scores.append(0.0)
             types.append(int(TokenType.CONTROL))
+    for text in controls:
+        tokens.append(text)
+        scores.append(0.0)
+        types.append(int(TokenType.CONTROL))
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
 

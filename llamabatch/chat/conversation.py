@@ -4,9 +4,10 @@ answer is held to out, and the answer read back as OpenAI's assistant message, w
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
-from .reasoning import CLOSE, Reasoning, ReasoningStream, ThinkingBudget
+from .reasoning import Reasoning, ReasoningStream, ThinkingBudget, markup_of
 from .template import ChatTemplate
 from .tools import Generic, ToolFormat, Tools
 
@@ -18,6 +19,7 @@ class ChatPrompt:
     lark: str | None  # the grammar tool calls are held to (None: unconstrained)
     answer: Answer
     thinking_budget: ThinkingBudget | None = None  # the thought closed after so many tokens
+    shown_tokens: frozenset[int] = frozenset()  # the format's markers that are control tokens: shown in the answer
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,12 @@ class Chat:
         # llama.cpp renders its built-in templates (named, not Jinja): messages -> text
         self._builtin_render = builtin_render
         format = ToolFormat.detect(template.source) if template.is_jinja else Generic()
-        if format.trigger is not None:  # a marker that is one special token is named as that token
-            format = type(format)(self._special_token(format.trigger))
+        format.literal = self.lark  # its markers' control tokens named as tokens in its grammars
         self.format = format
+        markup = markup_of(template.source) if template.is_jinja else None
+        markers = [*format.markers, *((markup.open, markup.close, *markup.headers) if markup else ())]
+        # llama.cpp renders a control token as nothing: the answer shows these, so that it reads back
+        self.shown = frozenset(t for marker in markers for t in self._specials(marker).values())
 
     def check(self) -> None:
         """Raises ChatTemplateError (a Jinja template that does not parse) or ModelError (a name
@@ -117,11 +122,18 @@ class Chat:
         else:
             self._builtin_render([{"role": "user", "content": "hi"}])
 
-    def _special_token(self, text: str) -> int | None:
-        """The id of a marker that is one special token of the vocabulary (Mistral's [TOOL_CALLS]):
-        a grammar names it as a token, since no text matches it."""
+    def _specials(self, text: str) -> dict[str, int]:
+        """The control tokens in a marker's text (those that render as nothing), by their text."""
         ids = self.vocab.tokenize(text, add_special=False)
-        return ids[0] if len(ids) == 1 and not self.vocab.piece(ids[0]) else None
+        return {self.vocab.text(t) or "": t for t in ids if not self.vocab.piece(t) and self.vocab.text(t)}
+
+    def lark(self, text: str) -> str:
+        """A marker as a Lark sequence: its text, any control token in it named as that token."""
+        specials = self._specials(text)
+        if not specials:
+            return json.dumps(text)
+        pieces = re.split("(" + "|".join(map(re.escape, specials)) + ")", text)
+        return " ".join(f"<[{specials[p]}]>" if p in specials else json.dumps(p) for p in pieces if p)
 
     def adds_bos(self, text: str) -> bool:
         """Whether the tokenizer adds its BOS to a rendered prompt: not where the template wrote
@@ -153,14 +165,29 @@ class Chat:
         if reasoning is not None and reasoning.open and reasoning_budget == 0:
             # a template that opens the thought whatever it is told (DeepSeek R1's, MiniMax M2's):
             # closed in the prompt, as DeepSeek R1 Distill Qwen's own template closes it
-            text, reasoning = f"{text}{CLOSE}\n\n", None
+            text, reasoning = f"{text}{reasoning.markup.closing.lstrip()}", None
         lark = format.grammar(tools) if tools is not None and tools.constrained else None
         if lark is not None and reasoning is not None and tools.required:
-            lark = _after_thought(lark, reasoning)
+            lark = self._after_thought(lark, reasoning)
         tokens = self.vocab.tokenize(text, add_special=self.adds_bos(text))
         # (budget 0 with a thought the model may still open: closed as soon as it opens)
-        budget = ThinkingBudget(reasoning_budget, opened=reasoning.open) if reasoning is not None and reasoning_budget >= 0 else None
-        return ChatPrompt(text, tokens, lark, Answer(tools, format, reasoning), budget)
+        budget = (ThinkingBudget(reasoning_budget, opened=reasoning.open, markup=reasoning.markup)
+                  if reasoning is not None and reasoning_budget >= 0 else None)
+        return ChatPrompt(text, tokens, lark, Answer(tools, format, reasoning), budget, self.shown)
+
+    def _after_thought(self, lark: str, reasoning: Reasoning) -> str:
+        """Calls required from a thinking model's first token would forbid its thought: let it think first."""
+        head, _, rest = lark.partition("\n")
+        markup = reasoning.markup
+        # at most a few blank characters after it (an unbounded run is a loop a small model falls
+        # into), then what comes between a thought and the answer (gpt-oss: a message header)
+        after = "/[ \\n]{0,4}/" + (f" {self.lark(markup.between)}" if markup.between else "")
+        if self._specials(markup.close):  # a control token: no text matches it, so none can run past it
+            body = f"thought: /(.|\\n)*/ {self.lark(markup.close)}"
+        else:
+            body = f"thought[stop={json.dumps(markup.close)}]: /(.|\\n)*/"
+        thought = f"thought {after}" if reasoning.open else f"({self.lark(markup.open)} thought {after})?"
+        return f'start: {thought} answer\nanswer: {head.removeprefix("start: ")}\n{body}\n{rest}'
 
 
 def _function(tool) -> dict:
@@ -201,14 +228,6 @@ def _with_system(messages: list[dict], text: str) -> list[dict]:
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
-
-
-def _after_thought(lark: str, reasoning: Reasoning) -> str:
-    """Calls required from a thinking model's first token would forbid its thought: let it think first."""
-    head, _, rest = lark.partition("\n")
-    # at most a few blank characters after it: an unbounded run is a loop a small model falls into
-    thought = 'thought /[ \\n]{0,4}/' if reasoning.open else '("<think>" thought /[ \\n]{0,4}/)?'
-    return f'start: {thought} answer\nanswer: {head.removeprefix("start: ")}\nthought[stop="</think>"]: /(.|\\n)*/\n{rest}'
 
 
 __all__ = ["Answer", "AnswerStream", "Chat", "ChatPrompt"]

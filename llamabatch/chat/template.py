@@ -20,7 +20,7 @@ from pathlib import Path
 import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import SandboxedEnvironment
 
 from ..errors import ChatTemplateError
 
@@ -55,8 +55,11 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", GenerationBlock])
+def _environment() -> SandboxedEnvironment:
+    # Sandboxed (no attribute a template could escape through), but lists and dicts may change:
+    # templates keep their own state in them (Kimi K2's queue of call ids appends), as llama.cpp's
+    # renderer lets them; what a template is given is built for that one rendering.
+    env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
     return env

@@ -97,12 +97,12 @@ class Intake:
             for seq in sequences:  # samples that wait for a slot take the prompt from a checkpoint there
                 seq.checkpoint_at = len(tokens) - 1
         budget = params.thinking_budget
-        close = self.vocab.tokenize(f"\n{budget.close}\n\n", add_special=False) if budget else None
+        close = self.vocab.tokenize(budget.markup.closing, add_special=False) if budget else None
         for seq, matcher, p in zip(sequences, matchers, samples):
             seq.matcher, seq.adapters = matcher, adapters
             seq.thought = Thought(budget, close) if budget else None
             seq.special = (matcher is not None or p.logprobs is not None or p.max_tokens == 0 or budget is not None
-                           or p.max_predict_s is not None)
+                           or p.max_predict_s is not None or bool(p.shown_tokens))
             seq.priority, seq.priority_class = priority, priority_class
             seq.score_from = -1 if score_from is None else score_from
             if params.max_tokens == 0 and score_from is None:  # nothing to generate, nothing to score: done

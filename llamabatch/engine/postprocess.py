@@ -38,10 +38,12 @@ class Postprocessor:
         eog, piece = known
         if eog and not seq.params.ignore_eos:
             return self.finish(seq, token, "", "stop")
+        if token in seq.params.shown_tokens:
+            piece = (self.vocab.text(token) or "").encode()
         stream = seq.stream
         text = stream.push(piece)
         if seq.thought is not None and not seq.forced:
-            seq.forced = seq.thought.after(piece.decode(errors="replace")) or []
+            seq.forced = seq.thought.after(piece) or []
         if stream.stopped or (seq.matcher is not None and seq.matcher.is_stopped()):
             return self.finish(seq, token, text, "stop")
         limit = seq.params.max_predict_s

@@ -23,8 +23,9 @@ from ..embeddings_format import EMBEDDINGS_URL, EmbeddingRequest
 from ..openai_format import ENDPOINTS, LoraEntry, SamplingFields, validation_message
 
 STDIN = "-"
-# a line chooses adapters by model/lora; a thinking budget is a chat request's (reasoning_budget)
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} - {"adapters", "thinking_budget"}
+# a line chooses adapters by model/lora; a thinking budget is a chat request's (reasoning_budget),
+# and the tokens an answer shows are its chat format's
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} - {"adapters", "thinking_budget", "shown_tokens"}
 _LORA = TypeAdapter(list[LoraEntry])
 _OPENAI_FIELDS = {"custom_id", "method", "url", "body"}
 _PARAMS = TypeAdapter(SamplingParams)  # checks each field's type, then SamplingParams its range

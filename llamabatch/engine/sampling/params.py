@@ -52,6 +52,10 @@ class SamplingParams:
     lark: str | None = None  # a Lark grammar in llguidance's dialect (what tool calls are held to)
     # A reasoning model's thought is closed for it after this many tokens (thinking.ThinkingBudget)
     thinking_budget: ThinkingBudget | None = None
+    # Special tokens whose text the answer shows (llama-server's preserved tokens): a chat format's
+    # markers that are control tokens of the vocabulary ([TOOL_CALLS], [THINK]), which would
+    # otherwise render as nothing, and the answer could not be read back
+    shown_tokens: frozenset[int] = frozenset()
     # llama.cpp's further samplers, named as llama-server names them; a row that uses one is drawn
     # by a llama.cpp chain of its own (chain.ChainSampler). Their defaults are off.
     dry_multiplier: float = 0.0  # DRY: penalise repeating a sequence the text already holds (0 = off)
