@@ -206,20 +206,20 @@ def test_required_and_named_tool_choices_return_calls_that_validate(clients, fam
         assert name is None or choice0.message.tool_calls[0].function.name == name
 
 
-@pytest.mark.parametrize("family", [QWEN25, MISTRAL, QWEN3_CODER, "chatml"])
+@pytest.mark.parametrize("family", [QWEN25, MISTRAL, QWEN3_CODER, KIMI, DEEPSEEK, COMMAND_R, "chatml"])
 def test_parallel_calls_all_validate(clients, family):
     reply = clients[family].chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                                                    temperature=0, max_tokens=200)
+                                                    temperature=0, max_tokens=200, extra_body=SHORT_THOUGHT)
     calls = reply.choices[0].message.tool_calls
     assert_valid(calls)
     if reply.choices[0].finish_reason == "length":  # more calls kept coming: every complete one still validates
         assert len(calls) >= 1
 
 
-@pytest.mark.parametrize("family", [QWEN25, LLAMA31, QWEN3_CODER, GLM, "chatml"])
+@pytest.mark.parametrize("family", [QWEN25, LLAMA31, QWEN3_CODER, GLM, KIMI, DEEPSEEK, DSML, COMMAND_R, MINIMAX, "chatml"])
 def test_streamed_calls_arrive_in_openais_delta_shape_and_match_the_whole_answer(clients, family):
     client = clients[family]
-    asked = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=200,
+    asked = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=400,
                  extra_body=SHORT_THOUGHT)
     whole = client.chat.completions.create(**asked).choices[0]
     calls: dict[int, dict] = {}
