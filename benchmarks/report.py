@@ -38,14 +38,23 @@ def machine_line(m: dict) -> str:
 
 
 def page(name: str, runs: list[dict]) -> str:
+    """The newest run under a heading; earlier ones below it, named in bold (not headings: a page's
+    contents would list the same command many times)."""
     lines = [f"<!-- made by `python -m benchmarks report` from benchmarks/results/{name}-*.json: edit those, not this -->", ""]
-    for data in runs:
-        lines += [f"#### {data['started'][:10]}: `{data['command']}`", "",
+    for k, data in enumerate(runs):
+        title = f"{data['started'][:10]} {data['started'][11:16]} UTC: `{shown_command(data['command'])}`"
+        lines += [f"#### {title}" if k == 0 else f"**Earlier, {title}**", "",
                   f"*Machine:* {machine_line(data['machine'])}. *File:* `benchmarks/results/{data['file']}`.", ""]
         for table in data["tables"]:
             cells = [[_value(v) for v in row] for row in table["rows"]]
             lines += [f"**{table['title']}**", "", Table(table["title"], table["columns"], cells, table["note"]).markdown(), ""]
     return "\n".join(lines)
+
+
+def shown_command(command: str) -> str:
+    """The command as a reader would type it: the earlier checkout --before compares with was a
+    folder of the machine it ran on."""
+    return re.sub(r"--before \S+", "--before <a checkout of the earlier commit>", command)
 
 
 def _value(v):

@@ -54,6 +54,23 @@ def test_a_results_file_holds_the_machine_and_turns_into_a_page(tmp_path):
     assert "tiny model" not in front_table(load(tmp_path / "other"))
 
 
+def test_a_page_heads_its_newest_run_and_names_no_local_folder(tmp_path):
+    """A page's contents list each benchmark once: earlier runs are named in bold, not headed; a
+    --before checkout's folder (a path of the machine that ran it) is not shown as typed."""
+    for k in range(3):
+        report = Report("store", "python -m benchmarks store --before /tmp/before --rounds 3", smoke=False)
+        report.table("gaps", ["side"], [[str(k)]], "")
+        report.write(tmp_path / str(k))
+        for path in (tmp_path / str(k)).glob("*.json"):
+            data = json.loads(path.read_text())
+            path.write_text(json.dumps({**data, "started": f"2026-11-2{k}T10:00:00+0000"}))
+            path.rename(tmp_path / path.name.replace(".json", f"-{k}.json"))
+    text = page("store", load(tmp_path)["store"])
+    assert [line for line in text.splitlines() if line.startswith("#")] == [
+        "#### 2026-11-22 10:00 UTC: `python -m benchmarks store --before <a checkout of the earlier commit> --rounds 3`"]
+    assert text.count("**Earlier, 2026-11-2") == 2 and "/tmp/before" not in text
+
+
 def test_the_committed_results_make_the_readme_table():
     results = load(RESULTS)
     assert results, "benchmarks/results holds the published runs"
