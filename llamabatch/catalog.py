@@ -57,12 +57,17 @@ class ModelSpec:
     def is_available(self) -> bool:
         if self.path is not None:
             return self.path.is_file()
-        return importlib.util.find_spec(self.package) is not None
+        return importlib.util.find_spec(self._package) is not None
 
     def gguf_path(self) -> Path:
         """The GGUF file, checked to exist and to start with the GGUF magic."""
-        path = self.path if self.path is not None else _assemble(self.package)
+        path = self.path if self.path is not None else _assemble(self._package)
         return check_gguf(path)
+
+    @property
+    def _package(self) -> str:
+        assert self.package is not None, "a model names a path or a package (the catalog checks)"
+        return self.package
 
 
 def check_gguf(path: Path) -> Path:

@@ -25,12 +25,11 @@ GitHub nor the site shows; directives are separated by ";":
 
 from __future__ import annotations
 
-import gzip
 import html.parser
-import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,7 +40,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from PIL import Image
 
 from tiny_model import write_tiny_lora, write_tiny_model, write_tiny_projector
 
@@ -140,36 +138,25 @@ def test_the_built_site_loads_nothing_from_the_network(tmp_path):
     assert not remote, f"the site loads these from the network: {sorted(remote)}"
 
 
-# The files the pages' examples name, beside the catalog and its models.
-PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time", "Write a haiku about rain"]
+# The input files the pages' examples read: the docs ship them (docs/examples), as a reader gets them.
+EXAMPLES = ROOT / "docs" / "examples"
 
 
 def write_files(work: Path) -> None:
+    """The pages' input files, and tiny stand-ins for the models and adapters a reader brings."""
+    for path in EXAMPLES.iterdir():
+        shutil.copy(path, work / path.name)
     write_tiny_model(work / "tiny.gguf", n_ctx_train=8192)
     write_tiny_model(work / "small.gguf", n_ctx_train=8192, seed=3)  # a draft model: the same vocabulary
     write_tiny_model(work / "my-reranker.gguf", rank_head=True)
     write_tiny_projector(work / "mmproj.gguf")
     write_tiny_model(work / "coder.gguf", fim=True)
-    Image.new("RGB", (48, 32), (30, 120, 200)).save(work / "photo.jpg")
     for name in ("house-style", "terse", "a", "b"):
         write_tiny_lora(work / f"{name}.gguf")
     (work / "models.toml").write_text(
         'default = "gemma3-270m"\n\n[models.gemma3-270m]\npath = "tiny.gguf"\nn_ctx = 4096\nparallel = 4\nthreads = 2\n'
         'chat_template = "gemma"\n\n[models.gemma3-270m.adapters]\nterse = "terse.gguf"\n'
     )
-    text = "\n".join(PROMPTS) + "\n"
-    for name in ("prompts.txt", "p.txt", "reviews.txt", "texts.txt"):
-        (work / name).write_text(text)
-    (work / "prompts.txt.gz").write_bytes(gzip.compress(text.encode()))
-    (work / "corpus.txt").write_text((" ".join(PROMPTS) + "\n") * 40)
-    jsonl = "".join(json.dumps({"prompt": p, "max_tokens": 16}) + "\n" for p in PROMPTS)
-    for name in ("prompts.jsonl", "jobs.jsonl", "rewrite.jsonl"):
-        (work / name).write_text(jsonl)
-    (work / "items.jsonl").write_text("".join(json.dumps({"context": "The capital of France is", "continuation": c}) + "\n"
-                                              for c in (" Paris", " London")))
-    (work / "requests.jsonl").write_text("".join(
-        json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
-                    "body": {"model": "gemma3-270m", "prompt": p, "max_tokens": 16}}) + "\n" for i, p in enumerate(PROMPTS)))
 
 
 class Page:

@@ -19,7 +19,7 @@ class ChatPrompt:
     lark: str | None  # the grammar tool calls are held to (None: unconstrained)
     answer: Answer
     thinking_budget: ThinkingBudget | None = None  # the thought closed after so many tokens
-    shown_tokens: frozenset[int] = frozenset()  # the format's markers that are control tokens: shown in the answer
+    shown_tokens: tuple[int, ...] = ()  # the format's markers that are control tokens: shown in the answer
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class Chat:
         markup = markup_of(template.source) if template.is_jinja else None
         markers = [*format.markers, *((markup.open, markup.close, *markup.headers) if markup else ())]
         # llama.cpp renders a control token as nothing: the answer shows these, so that it reads back
-        self.shown = frozenset(t for marker in markers for t in self._specials(marker).values())
+        self.shown = tuple(sorted({t for marker in markers for t in self._specials(marker).values()}))
 
     def check(self) -> None:
         """Raises ChatTemplateError (a Jinja template that does not parse) or ModelError (a name

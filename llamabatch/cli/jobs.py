@@ -131,6 +131,7 @@ def batch(
         with BatchEngine(**engine_options) as engine:
             guess = None if input == STDIN else estimate(engine, input, base, tuned)
             if estimate_only:
+                assert guess is not None, "--estimate reads a file (refused above for standard input)"
                 if json_out:
                     display.json_line({"estimate": guess.to_dict()})
                 else:

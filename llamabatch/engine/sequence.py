@@ -136,6 +136,7 @@ class Sequence:
 
     def unfollow(self) -> None:
         """It waits for its leader no more: it got the prefix."""
+        assert self.leader is not None, "only a follower unfollows"
         self.leader.followers.remove(self)
         self.leader = None
 

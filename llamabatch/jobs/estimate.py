@@ -45,7 +45,11 @@ def estimate(engine: BatchEngine, source: str | Path, base: SamplingParams | Non
                 requests += 1
                 continue
             try:
-                inputs = engine_inputs(item.body, engine) if item.body is not None else EngineInputs([item.engine_prompt()], item.params)
+                if item.body is not None:
+                    inputs = engine_inputs(item.body, engine)
+                else:
+                    assert item.params is not None, "a llamabatch-format line carries its sampling"
+                    inputs = EngineInputs([item.engine_prompt()], item.params)
                 prompts, params = inputs.prompts, inputs.params
                 lengths = [engine.prompt_length(p) for p in prompts]
             except LlamabatchError:

@@ -28,7 +28,7 @@ class PrefixReuse:
         if cache is not None and seq.swapped is None:
             slot = self.scheduler.slot_of(seq)
             if seq.n_past < len(slot.cached):
-                self._keep(seq.seq_id, slot.cached, slot.adapters)
+                self._keep(cache, seq.seq_id, slot.cached, slot.adapters)
             if seq.leader is None:  # (a leader, admitted before it, looked here already)
                 self._restore(seq, cache)
         self.memory.resume(seq)
@@ -36,18 +36,18 @@ class PrefixReuse:
 
     def keep_free_slots(self) -> None:
         """Every free slot's cached prompt into the prompt cache (before the slots lose them)."""
-        if self.prompt_cache is not None:
+        cache = self.prompt_cache
+        if cache is not None:
             for slot in self.scheduler.slots.cached_slots():
-                self._keep(slot.seq_id, slot.cached, slot.adapters)
+                self._keep(cache, slot.seq_id, slot.cached, slot.adapters)
 
     def drop_cached_prefixes(self) -> None:
         """Free the KV that finished sequences left in their slots for later prompts."""
         for seq_id in self.scheduler.slots.evict_cached():
             self.memory.clear(seq_id)
 
-    def _keep(self, seq_id: int, tokens: list[int], adapters: AdapterSet) -> None:
+    def _keep(self, cache: PromptCache, seq_id: int, tokens: list[int], adapters: AdapterSet) -> None:
         """The stream's memory (it holds exactly `tokens`) into the prompt cache."""
-        cache = self.prompt_cache
         if len(tokens) < MIN_TOKENS or cache.holds(tokens, adapters) or self.memory.held(seq_id) != len(tokens):
             return
         if any(id >= self.fixed_adapters for id, _ in adapters):

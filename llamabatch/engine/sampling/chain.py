@@ -32,6 +32,7 @@ def build_sampler(params: SamplingParams, n_ctx: int, vocab: Vocab | None = None
     if params.plain_greedy:
         return GreedySampler()
     if params.uses_chain:
+        assert vocab is not None, "llama.cpp's chain samplers read the vocabulary"
         return ChainSampler(params, n_ctx, vocab, n_prompt)
     return RowSampler(params, n_ctx, vocab, n_prompt)
 

@@ -55,7 +55,7 @@ class SamplingParams:
     # Special tokens whose text the answer shows (llama-server's preserved tokens): a chat format's
     # markers that are control tokens of the vocabulary ([TOOL_CALLS], [THINK]), which would
     # otherwise render as nothing, and the answer could not be read back
-    shown_tokens: frozenset[int] = frozenset()
+    shown_tokens: tuple[int, ...] = ()  # (a few: a tuple, which job manifests write as JSON)
     # llama.cpp's further samplers, named as llama-server names them; a row that uses one is drawn
     # by a llama.cpp chain of its own (chain.ChainSampler). Their defaults are off.
     dry_multiplier: float = 0.0  # DRY: penalise repeating a sequence the text already holds (0 = off)
