@@ -40,6 +40,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from tiny_model import write_tiny_lora, write_tiny_model, write_tiny_projector
 
@@ -284,6 +285,39 @@ def test_page_examples_run(page: Path, tmp_path: Path):
                 runner.run(example)
     finally:
         runner.close()
+
+
+def reading_order() -> list[Path]:
+    """The README, then the site's pages in its navigation's order."""
+    order: list[Path] = [ROOT / "README.md"]
+
+    def walk(entries) -> None:
+        for entry in entries:
+            target = entry if isinstance(entry, str) else next(iter(entry.values()))
+            if isinstance(target, list):
+                walk(target)
+            elif (ROOT / "docs" / target) in PAGES:
+                order.append(ROOT / "docs" / target)
+
+    # (mkdocs.yml names Python hooks with YAML tags a plain loader does not know)
+    nav = yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)["nav"]
+    walk(nav)
+    return order
+
+
+def test_a_reader_following_the_pages_in_order_in_one_folder_meets_no_refusal(tmp_path):
+    """A newcomer runs every page's examples in the site's order, all in one folder: no page's
+    files or outputs make a later page's commands fail (an output name reused for another job
+    is refused, for one)."""
+    write_files(tmp_path)
+    for page in reading_order():
+        runner = Page(tmp_path)
+        try:
+            for example in examples(page):
+                if example.skip is None:
+                    runner.run(example)
+        finally:
+            runner.close()
 
 
 def test_the_built_site_shows_lists_as_lists(tmp_path):
