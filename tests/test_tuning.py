@@ -73,6 +73,18 @@ def test_a_search_stops_once_a_larger_batch_no_longer_pays(tiny_model):
     assert all(p.itl_p50_s <= p.itl_p95_s and p.s_pp > 0 for p in measured.points)
 
 
+def test_a_batch_whose_prompts_take_longer_to_read_than_the_measured_steps_is_still_measured(tiny_model):
+    """256 prompts of 32 tokens through n_batch 512: the prompts take about 22 steps to read,
+    while the first sequences generate beside them; they go on (and are cancelled once
+    measured) rather than end before the last starts, which left no decode step to time."""
+    from llamabatch import BatchEngine
+
+    with BatchEngine(tiny_model, n_parallel=256, n_ctx=256 * tuning.cells_per_sequence(32), n_batch=512, n_threads=2) as engine:
+        point = tuning.measure(engine, 256)
+        assert not engine.has_work  # nothing left running
+    assert point.batch_size == 256 and point.s_tg > 0 and point.itl_p50_s <= point.itl_p95_s
+
+
 def test_a_measurement_is_stored_reused_and_kept_apart_by_the_settings_that_change_it(tiny_model):
     options = EngineOptions(model=tiny_model, threads=2)
     first = options.tuning(8)

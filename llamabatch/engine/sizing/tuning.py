@@ -131,9 +131,11 @@ def ladder(max_batch: int) -> list[int]:
 
 
 def measure(engine, batch_size: int, prompt_tokens: int = PROMPT_TOKENS, gen_tokens: int = GEN_TOKENS, seed: int = 0) -> TunePoint:
-    """batch_size sequences of random prompts through the engine; its prefill rate, and each
-    decode step timed while every sequence generates."""
-    params = SamplingParams(temperature=0, max_tokens=gen_tokens + 1, ignore_eos=True)
+    """batch_size sequences of random prompts through the engine; its prefill rate, and
+    gen_tokens decode steps timed once every sequence generates."""
+    # The first sequences generate while the last prompts are still read (a step shares n_batch
+    # between both): they may go on to their context's end, and are cancelled once measured.
+    params = SamplingParams(temperature=0, max_tokens=engine.ctx.n_ctx, ignore_eos=True)
     engine.drop_cached_prefixes()
     prompts = np.random.default_rng(seed).integers(0, engine.vocab.n_vocab, size=(batch_size, prompt_tokens)).tolist()
     sequences = engine.submit(prompts, params)
@@ -142,12 +144,12 @@ def measure(engine, batch_size: int, prompt_tokens: int = PROMPT_TOKENS, gen_tok
         engine.step()
     prefill = time.perf_counter() - started
     steps: list[float] = []
-    while engine.has_work and all(seq.finish_reason is None for seq in sequences):
+    while len(steps) < gen_tokens and all(seq.finish_reason is None for seq in sequences):
         begun = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - begun)
-    while engine.has_work:  # the rest of a batch whose prefill let some sequences start early
-        engine.step()
+    for seq in sequences:
+        engine.cancel(seq)
     if not steps:
         raise LlamabatchError(f"batch size {batch_size}: no decode step to measure")
     return TunePoint(batch_size, batch_size * len(steps) / sum(steps), batch_size * prompt_tokens / prefill,
