@@ -275,16 +275,21 @@ def _joined(text: str) -> list[str]:
     return text.replace("\\\n", " ").split("\n")
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_page_examples_run(page: Path, tmp_path: Path):
-    write_files(tmp_path)
-    runner = Page(tmp_path)
+def run_examples(page: Path, work: Path) -> None:
+    """Every example of the page that is not skipped, in order, in the folder `work`."""
+    runner = Page(work)
     try:
         for example in examples(page):
             if example.skip is None:
                 runner.run(example)
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_page_examples_run(page: Path, tmp_path: Path):
+    write_files(tmp_path)
+    run_examples(page, tmp_path)
 
 
 def reading_order() -> list[Path]:
@@ -311,13 +316,7 @@ def test_a_reader_following_the_pages_in_order_in_one_folder_meets_no_refusal(tm
     is refused, for one)."""
     write_files(tmp_path)
     for page in reading_order():
-        runner = Page(tmp_path)
-        try:
-            for example in examples(page):
-                if example.skip is None:
-                    runner.run(example)
-        finally:
-            runner.close()
+        run_examples(page, tmp_path)
 
 
 def test_the_built_site_shows_lists_as_lists(tmp_path):

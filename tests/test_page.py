@@ -90,6 +90,12 @@ def test_the_playground_shows_a_tool_call_as_a_call(site, browser):
     assert calls and all(name == "get_weather" and len(json.loads(arguments[:-1])["city"]) <= 8 for name, _, arguments in calls)
 
 
+def _completions(n: int, prefix: str, max_tokens: int, prompt: str = "line") -> list[dict]:
+    """A batch input of n completions."""
+    return [{"custom_id": f"{prefix}{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": f"{prompt} {i}", "max_tokens": max_tokens}} for i in range(n)]
+
+
 def _pick(browser: Browser, lines: list[dict]) -> None:
     text = json.dumps("".join(json.dumps(line) + "\n" for line in lines))
     browser.js(f"""(() => {{ const input = document.getElementById('file'), files = new DataTransfer();
@@ -101,9 +107,7 @@ def _pick(browser: Browser, lines: list[dict]) -> None:
 @in_browser
 def test_a_picked_file_shows_its_estimate(site, browser):
     browser.open(site + "/")
-    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": f"line {i}", "max_tokens": 5}}
-             for i in range(4)]
-    _pick(browser, lines)
+    _pick(browser, _completions(4, "e", 5))
     shown = browser.wait("document.getElementById('filefigures').textContent.includes('prompt tokens') && document.getElementById('filefigures').textContent")
     file_id = browser.js("uploaded.id")
     guess = httpx.get(f"{site}/v1/files/{file_id}/estimate").json()
@@ -126,9 +130,7 @@ def test_a_request_that_fails_in_the_engine_is_listed_under_recent_errors(serve,
 @in_browser
 def test_a_batch_started_from_the_page_runs_and_one_is_cancelled_there(site, browser):
     browser.open(site + "/")
-    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": f"line {i}", "max_tokens": 4}}
-             for i in range(6)]
-    _pick(browser, lines)
+    _pick(browser, _completions(6, "q", 4))
     assert browser.js("document.getElementById('filefigures').textContent").startswith("6 requests to /v1/completions")
     browser.js("document.getElementById('start').click()")
     browser.wait("[...document.querySelectorAll('#batches tr.batch')].some(r => r.cells[1].textContent === 'completed' && r.cells[2].textContent === '6 of 6' && !!r.querySelector('a.output_file_id'))")
