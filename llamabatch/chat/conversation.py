@@ -110,8 +110,9 @@ class Chat:
         format.literal = self.lark  # its markers' control tokens named as tokens in its grammars
         self.format = format
         markup = markup_of(template.source) if template.is_jinja else None
-        markers = [*format.markers, *((markup.open, markup.close, *markup.headers) if markup else ())]
-        # llama.cpp renders a control token as nothing: the answer shows these, so that it reads back
+        markers = [m for m in (*format.markers, *((markup.open, markup.close, *markup.headers) if markup else ())) if m]
+        # llama.cpp renders a control token as nothing: an answer read back for its calls or its
+        # thought shows these
         self.shown = tuple(sorted({t for marker in markers for t in self._specials(marker).values()}))
 
     def check(self) -> None:
@@ -173,7 +174,9 @@ class Chat:
         # (budget 0 with a thought the model may still open: closed as soon as it opens)
         budget = (ThinkingBudget(reasoning_budget, opened=reasoning.open, markup=reasoning.markup)
                   if reasoning is not None and reasoning_budget >= 0 else None)
-        return ChatPrompt(text, tokens, lark, Answer(tools, format, reasoning), budget, self.shown)
+        # (only an answer that is read back takes the engine's general path to show them)
+        shown = self.shown if lark is not None or reasoning is not None else ()
+        return ChatPrompt(text, tokens, lark, Answer(tools, format, reasoning), budget, shown)
 
     def _after_thought(self, lark: str, reasoning: Reasoning) -> str:
         """Calls required from a thinking model's first token would forbid its thought: let it think first."""
