@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -28,53 +29,81 @@ SMOKE = ["--rehearse"]
 def arguments(parser) -> None:
     parser.add_argument("--rehearse", action="store_true", help="tiny sizes on this machine's CPU (what CI runs)")
     parser.add_argument("--budget", type=float, default=540, help="seconds for every part together (the device tool's command runs at most 600)")
+    parser.add_argument("--start", type=int, default=1, help="the part to start from (1: the first), to go on in a second command")
+    parser.add_argument("--pack", type=Path, default=None,
+                        help="after each part, the --out folder packed into this tar file (the device tool brings back 8 files at most)")
 
 
-def plan(args) -> list[tuple[str, list[str]]]:
-    """(label, the benchmark's command line) for each part, most important first."""
+def plan(args, shapes: Path) -> list[tuple[str, list[str]]]:
+    """(label, the benchmark's command line) for each part, most important first; a sweep in two
+    halves, so that a part cut by the time left loses less."""
     threads = str(os.cpu_count() or 2)
+
+    def sweep(shape: str, sizes: str, gen: int, repeat: int, overlap: str) -> list[str]:
+        return ["sweep", "--model", str(shape_path(shapes, shape)), "--batch-sizes", sizes, "--gen-tokens", str(gen),
+                "--repeat", str(repeat), "--no-sequential", "--threads", threads, "--overlap", overlap]
+
     if args.rehearse:
-        small = str(shape_path("small"))
         return [
-            ("sweep, small shape", ["sweep", "--model", small, "--batch-sizes", "1,2", "--gen-tokens", "8", "--repeat", "1",
-                                    "--no-sequential"]),
-            ("serving, small shape", ["serving", "--model", small, "--clients", "2", "--requests", "4", "--max-tokens", "8",
-                                      "--rounds", "1", "--sides", "llamabatch,llama-server"]),
+            ("native batch sizes, small shape", ["native_faults", "--batch-sizes", "1,2", "--shape", "small", "--gen-tokens", "8"]),
+            ("sweep, small shape", sweep("small", "1,2", 8, 1, "auto")),
+            ("sweep, small shape, overlap off", sweep("small", "1,2", 8, 1, "off")),
+            ("backend sampling, small shape", ["backend_sampling", "--model", str(shape_path(shapes, "small")), "-ngl", "-1",
+                                               "--batch", "4", "--steps", "8", "--rounds", "1", "--threads", threads]),
+            ("serving, small shape", ["serving", "--model", str(shape_path(shapes, "small")), "--clients", "2", "--requests", "4",
+                                      "--max-tokens", "8", "--rounds", "1", "--sides", "llamabatch,llama-server"]),
             ("overhead, tiny model", ["overhead", "--rounds", "1", "--batch-sizes", "1,2", "--gen-tokens", "8"]),
         ]
-    sizes = "1,8,32,64,128,256"
+    gemma, llama = "gemma3-270m", "llama3.1-8b"
     return [
-        ("sweep, Llama 3.1 8B shape", ["sweep", "--model", str(shape_path("llama3.1-8b")), "--batch-sizes", sizes,
-                                       "--gen-tokens", "32", "--repeat", "2", "--no-sequential", "--threads", threads]),
-        ("sweep, default model's shape", ["sweep", "--model", str(shape_path("gemma3-270m")), "--batch-sizes", sizes,
-                                          "--gen-tokens", "32", "--repeat", "2", "--no-sequential", "--threads", threads]),
-        ("serving, default model's shape", ["serving", "--model", str(shape_path("gemma3-270m")), "--clients", "64,256",
+        ("native batch sizes (the B >= 32 fault)", ["native_faults", "--shape", gemma]),
+        ("sweep, Llama 3.1 8B shape, B <= 32", sweep(llama, "1,8,32", 32, 2, "auto")),
+        ("sweep, Llama 3.1 8B shape, B >= 64", sweep(llama, "64,128,256", 32, 2, "auto")),
+        ("sweep, default model's shape", sweep(gemma, "1,8,32,64,128,256", 32, 2, "auto")),
+        ("sweep, default model's shape, overlap off", sweep(gemma, "1,8,32,64,128,256", 32, 2, "off")),
+        ("backend sampling, default model's shape, B 256", ["backend_sampling", "--model", str(shape_path(shapes, gemma)), "-ngl", "-1",
+                                                             "--batch", "256", "--steps", "32", "--rounds", "3", "--threads", threads]),
+        ("serving, default model's shape", ["serving", "--model", str(shape_path(shapes, gemma)), "--clients", "64,256",
                                             "--requests", "512", "--max-tokens", "32", "--rounds", "1",
                                             "--sides", "llamabatch,llama-server", "--threads", threads]),
+        ("sweep, Llama 3.1 8B shape, overlap off", sweep(llama, "1,8,32,64,128,256", 32, 1, "off")),
         ("overhead, tiny model", ["overhead", "--rounds", "2", "--batch-sizes", "1,8,32,64", "--gen-tokens", "64",
                                   "--threads", threads]),
     ]
 
 
-_folder = Path(tempfile.mkdtemp(prefix="llamabatch-shapes-"))
+def pack(folder: Path, archive: Path) -> None:
+    """The folder's files into one tar file, replaced whole (a command cut short still leaves the last one)."""
+    partial = archive.with_suffix(".partial")
+    with tarfile.open(partial, "w") as tar:
+        for path in sorted(folder.glob("*.json")):
+            tar.add(path, arcname=path.name)
+    partial.rename(archive)
 
 
-def shape_path(name: str) -> Path:
-    """The shape's model, written on first use."""
-    path = _folder / f"{name}.gguf"
+def shape_path(folder: Path, name: str) -> Path:
+    """The shape's model in `folder`, written on first use (a second command on the same machine finds it)."""
+    path = folder / f"{name}.gguf"
     if not path.exists():
         started = time.perf_counter()
-        write_shape(path, SHAPES[name])
+        write_shape(path.with_suffix(".partial"), SHAPES[name]).rename(path)
         progress(f"wrote {path.name} ({path.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - started:.0f} s")
     return path
 
 
 def run(args, report) -> None:
     deadline = time.monotonic() + args.budget
-    folder = args.out or (Path(tempfile.mkdtemp(prefix="llamabatch-smoke-")) if args.smoke else None)  # a smoke's results are no results
-    out = ["--out", str(folder)] if folder is not None else []
+    with tempfile.TemporaryDirectory(prefix="llamabatch-gpu-") as tmp:
+        # On the lent machine the shapes stay for a second command; a rehearsal's go with it.
+        shapes = Path(os.environ["LLAMABATCH_GPU_DIR"]) / "shapes" if "LLAMABATCH_GPU_DIR" in os.environ else Path(tmp)
+        shapes.mkdir(parents=True, exist_ok=True)
+        folder = args.out or (Path(tmp) if args.smoke else None)  # a smoke's results are no results
+        run_parts(args, report, plan(args, shapes)[args.start - 1 :], ["--out", str(folder)] if folder is not None else [], deadline)
+
+
+def run_parts(args, report, parts: list[tuple[str, list[str]]], out: list[str], deadline: float) -> None:
     rows = []
-    for label, command in plan(args):
+    for label, command in parts:
         left = deadline - time.monotonic()
         if left < 30:
             rows.append([label, "not run: out of time", "", ""])
@@ -93,6 +122,8 @@ def run(args, report) -> None:
         progress(f"   {status} in {seconds:.0f} s")
         print(done.stdout, flush=True)
         rows.append([label, status, f"{seconds:.0f} s", Path(written[0]).name if written else ""])
+        if args.pack is not None and out:
+            pack(Path(out[1]), args.pack)
         if done.returncode != 0 and args.rehearse:
             raise RuntimeError(f"{label} failed in the rehearsal:\n{done.stderr[-3000:]}")
     report.table("The prepared run's parts", ["part", "status", "time", "results file"], rows)

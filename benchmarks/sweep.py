@@ -24,6 +24,7 @@ def arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-sequential", action="store_true", help="skip the one-at-a-time baseline")
+    parser.add_argument("--overlap", default=None, choices=["auto", "on", "off"], help="llamabatch's --overlap (default: auto)")
 
 
 def run(args, report) -> None:
@@ -31,7 +32,8 @@ def run(args, report) -> None:
         model = str(tiny_model(Path(tmp))) if args.model == "tiny" else args.model
         command = cli("sweep", "--json", "--batch-sizes", args.batch_sizes, "--threads", args.threads, "--repeat", args.repeat,
                       "--prompt-tokens", args.prompt_tokens, "--gen-tokens", args.gen_tokens, "--baseline", "native",
-                      *([] if args.no_sequential else ["--baseline", "sequential"]), *(["--model", model] if model else []))
+                      *([] if args.no_sequential else ["--baseline", "sequential"]), *(["--model", model] if model else []),
+                      *(["--overlap", args.overlap] if args.overlap else []))
         points = json_lines(run_command(command)[1])
     report.figure("points", points)
     sequential = not args.no_sequential
@@ -40,7 +42,8 @@ def run(args, report) -> None:
     for p in points:
         report.figure(f"s_tg_ratio_b{p['batch_size']}", p["s_tg_ratio"])
     report.table(
-        f"{Path(model).name if model else 'the default model'}: PP {args.prompt_tokens}, TG {args.gen_tokens}, {args.threads} threads",
+        f"{Path(model).name if model else 'the default model'}: PP {args.prompt_tokens}, TG {args.gen_tokens}, {args.threads} threads"
+        f"{f', overlap {args.overlap}' if args.overlap else ''}",
         ["B", "S_PP", "S_TG", "native S_TG", "S_TG / native", *(["Llama S (one at a time)"] if sequential else []),
          "TPOT p50 (ms)", "TTFT p50 (ms)"], rows,
         f"Tokens/s; medians of {args.repeat} repeats, native measured beside each batch size in the same process.",

@@ -2,9 +2,13 @@
 # Pack what a lent GPU machine needs for the prepared run (scripts/gpu_run.sh), into .gpu/ (ignored
 # by git; name it in the device tool's `carry`). The machine has Python 3.12, nvcc, CMake and
 # ninja but no network, and takes at most 64 MiB with the working tree, so:
-#   .gpu/llama.cpp.tar.gz   the llama.cpp sources vendored in the installed llama-cpp-python's
-#                           sdist (the same llama.cpp), without docs, models, tests, examples, the
-#                           web UI's assets and the backends a CUDA or CPU build does not use
+#   .gpu/prebuilt.tar.xz    llama.cpp's CUDA libraries and tools built beforehand on this machine
+#                           (scripts/gpu_prebuild.sh), where they were: the lent machine's minutes
+#                           go to measuring, not compiling
+#   .gpu/llama.cpp.tar.gz   otherwise, the llama.cpp sources vendored in the installed
+#                           llama-cpp-python's sdist (the same llama.cpp), without docs, models,
+#                           tests, examples, the web UI's assets and the backends a CUDA or CPU
+#                           build does not use: gpu_run.sh build compiles them there
 #   .gpu/whl/               wheels for CPython 3.12 (GPU_PYTHON_VERSION: a rehearsal's own) of the
 #                           packages the machine's image lacks, at the versions installed here
 #   .gpu/site/              llama-cpp-python's own Python files (no libraries: gpu_run.sh builds
@@ -16,27 +20,40 @@ cd "$(dirname "$0")/.."
 version=$(python -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))")
 rm -rf .gpu && mkdir -p .gpu/whl .gpu/site
 
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$version" -d "$work" >&2
-tar -xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
-src="$work/llama_cpp_python-$version/vendor/llama.cpp"
-(
-    cd "$src"
-    rm -rf docs models tests benches media gguf-py conversion examples pocs app .github ci skills \
-        requirements grammars tools/ui/src tools/ui/static tools/ui/node_modules
-    for backend in ggml/src/ggml-*/; do
-        case "$(basename "$backend")" in
-            ggml-cpu | ggml-cuda | ggml-rpc | ggml-blas) ;;
-            *) [ -f "$backend/CMakeLists.txt" ] && rm -rf "$backend" ;;
-        esac
-    done
-)
-tar -czf .gpu/llama.cpp.tar.gz -C "$(dirname "$src")" llama.cpp
+# The vendored llama.cpp, trimmed to what a CUDA or CPU build of the libraries and tools reads.
+pack_sources() {
+    local work src
+    work=$(mktemp -d)
+    pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$version" -d "$work" >&2
+    tar -xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work"
+    src="$work/llama_cpp_python-$version/vendor/llama.cpp"
+    (
+        cd "$src"
+        rm -rf docs models tests benches media gguf-py conversion examples pocs app .github ci skills \
+            requirements grammars tools/ui/src tools/ui/static tools/ui/node_modules
+        for backend in ggml/src/ggml-*/; do
+            case "$(basename "$backend")" in
+                ggml-cpu | ggml-cuda | ggml-rpc | ggml-blas) ;;
+                *) [ -f "$backend/CMakeLists.txt" ] && rm -rf "$backend" ;;
+            esac
+        done
+    )
+    tar -czf .gpu/llama.cpp.tar.gz -C "$(dirname "$src")" llama.cpp
+    rm -rf "$work"
+}
 
-# The image's Python has numpy, jinja2, rich, typer, httpx, pyarrow, prometheus-client (device
-# tool's KINDS.md); these it lacks.
-wanted=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn python-multipart llguidance gguf)
+prebuilt=${GPU_PREBUILD_DIR:-$HOME/.cache/llamabatch/gpu}/prebuilt.tar.xz
+if [ -f "$prebuilt" ]; then
+    cp "$prebuilt" .gpu/prebuilt.tar.xz
+else
+    pack_sources
+fi
+
+# The image's Python has numpy, jinja2, rich, typer, httpx, anyio, pyarrow, prometheus-client,
+# annotated-doc, click, h11, tqdm, requests, pyyaml (the device tool's KINDS.md); these it lacks
+# (diskcache: llama-cpp-python imports it; opentelemetry-api: FastAPI does).
+wanted=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn python-multipart llguidance gguf
+        diskcache opentelemetry-api)
 pins=()
 for name in "${wanted[@]}"; do
     pins+=("$name==$(python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")")

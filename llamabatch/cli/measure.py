@@ -19,7 +19,7 @@ from ..engine.config import size_option
 from ..engine.sizing.options import EngineOptions, memory_budget
 from ..errors import LlamabatchError
 from ..measure import sweep as sweep_bench
-from .options import CacheRamOpt, BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, DeterministicOpt, DraftModelOpt, FlashAttnOpt, GpuLayersOpt, JsonOpt, KvUnifiedOpt, LoraOpt, MemoryOpt, ModelOpt, RpcOpt, RpcTimeoutOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt, UbatchOpt, VerboseOpt, int_list, reports_errors
+from .options import CacheRamOpt, BatchOpt, CacheTypeKOpt, CacheTypeVOpt, CatalogOpt, DeterministicOpt, OverlapOpt, DraftModelOpt, FlashAttnOpt, GpuLayersOpt, JsonOpt, KvUnifiedOpt, LoraOpt, MemoryOpt, ModelOpt, RpcOpt, RpcTimeoutOpt, SpeculativeOpt, TensorSplitOpt, ThreadsOpt, UbatchOpt, VerboseOpt, int_list, reports_errors
 
 
 @reports_errors
@@ -109,6 +109,7 @@ def sweep(
     flash_attn: FlashAttnOpt = None,
     kv_unified: KvUnifiedOpt = None,
     deterministic: DeterministicOpt = None,
+    overlap: OverlapOpt = None,
     speculative: SpeculativeOpt = None,
     draft_model: DraftModelOpt = None,
     json_out: JsonOpt = False,

@@ -56,6 +56,9 @@ DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Most dr
 StepTargetOpt = Annotated[Optional[str], typer.Option(
     "--step-target", metavar="DURATION|auto|off", help="Keep a step that reads prompt tokens beside decoding sequences near this (e.g. 200ms), the prompts sharing it, so streams do not stall while a long prompt is read; auto: six decode steps' time (serve's default; --max-itl when given); off: whole --batch-size chunks, oldest prompt first (run's and batch's default).",
 )]
+OverlapOpt = Annotated[Optional[str], typer.Option(
+    "--overlap", metavar="auto|on|off", help="Decode the next step while this one's tokens are read (text, stop strings): auto: where layers are on a GPU.",
+)]
 CheckpointEveryOpt = Annotated[Optional[int], typer.Option(
     "--checkpoint-every", metavar="TOKENS", help="Recurrent, hybrid and sliding-window models: checkpoint a prompt's state every TOKENS (64; a sliding window: half the window, at least 256; 0: at its end only), so later prompts reuse its prefix.",
 )]

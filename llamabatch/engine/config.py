@@ -78,6 +78,12 @@ class EngineConfig:
     # chunks in admission order (the default: offline work wants throughput; serve sets auto). A
     # duration's text ("100ms", "off") is read too.
     step_target: float | str = 0.0
+    # Decode the next plain step before this one's tokens are accepted (text, stop strings,
+    # events), so that the host's bookkeeping runs while the device computes: "auto" where
+    # llama_decode returns before the device is done (layers on a GPU), "on", "off". Only where
+    # memory can be cut (a token decoded past a stop string is cut off again), and never with
+    # speculation or in deterministic mode, which keep the plain order (Stepper.runs_ahead).
+    overlap: str = "auto"
     # Prompt tokens between checkpoints of memory that cannot be cut (0: at prompt ends only; None:
     # the family's, CHECKPOINT_EVERY or a window's: Runtime.checkpoint_every).
     checkpoint_every: int | None = None
@@ -192,6 +198,8 @@ class EngineConfig:
             yield "--speculative with --mmproj: speculative decoding of prompts with images is not supported yet"
         if self.deterministic and self.speculative != "off":
             yield "--deterministic decodes one token per sequence a step: drop --speculative"
+        if self.overlap not in ("auto", "on", "off"):
+            yield f"--overlap must be 'auto', 'on' or 'off', got {self.overlap!r}"
         if self.scheduling not in ("priority", "fcfs"):
             yield f"--scheduling-policy must be 'priority' or 'fcfs', got {self.scheduling!r}"
         if self.draft_max < 1:

@@ -52,6 +52,14 @@ class Postprocessor:
         # event(seq, token, text), inline: this line runs for every token of every sequence
         return Event(seq.index, token, text, None, None, seq.sample, seq.uid, seq.logprobs[-1] if seq.logprobs else None)
 
+    def continues(self, seq: Sequence, token: int) -> bool:
+        """Whether the sequence goes on after taking `token`, as far as the token itself tells
+        (an end of generation, its length): a stop string shows only once its text is read."""
+        entry = self._known.get(token)
+        if entry is None:
+            entry = self._known[token] = (self.vocab.is_eog(token), self.vocab.piece(token))
+        return (not entry[0] or seq.params.ignore_eos) and len(seq.tokens) + 1 < seq.max_len
+
     def accept_plain(self, rows: list[Sequence], picks: list, events: list[Event]) -> None:
         """accept() for each row of a plain step none of whose sequences is special (no
         constraint, thought or log-probabilities), its common path inline: this loop runs for

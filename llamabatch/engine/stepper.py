@@ -12,6 +12,7 @@ from .config import EngineConfig
 from .memory.streams import MemoryRefused
 from .native.handles import INVALID_BATCH, KV_FULL
 from .native.projector import decode_images
+from .rpc import offloads
 from .sampling.picker import Picker
 from .postprocess import Postprocessor, progress_event
 from .results import Event, RunStats
@@ -50,6 +51,13 @@ class Stepper:
         # over again, the batch keeps its seq_ids and logits flags and takes only the new tokens.
         self._in_batch: Step | None = None
         self._picked: list[int] = []
+        # Overlap (EngineConfig.overlap): the next plain step is decoded while this one's tokens
+        # are accepted, and read at the next step. Only where the token decoded past a stop string
+        # can be cut off again, and not where drafts or fillers make a step more than its rows.
+        self.runs_ahead = runtime.memory.caps.can_cut and self.speculator is None and not config.deterministic and (
+            config.overlap == "on" or (config.overlap == "auto" and offloads(config.gpu_layers)))
+        self._ahead: Step | None = None  # the step decoded ahead, its logits not read yet
+        self._ahead_ids: list[int] = []  # its rows' seq_ids (a sequence that ends gives its own up)
 
     def step(self) -> list[Event]:
         """Admit, schedule, fill one batch, decode it once, sample each sequence that is due a token.
@@ -73,6 +81,9 @@ class Stepper:
 
     def _step(self, events: list[Event], carried: list[Sequence]) -> str | None:
         """One step; returns why it decoded nothing, when every row it carried failed to decode."""
+        if self._ahead is not None:
+            self._read_ahead(events, carried)
+            return None
         started = time.perf_counter()
         if self.scheduler.waiting:  # (most steps: nothing waits)
             for victim in self.scheduler.victims():
@@ -308,7 +319,10 @@ class Stepper:
         Returns the picks."""
         picks = self.picker.pick(due, rows, logits, step.draws, step.special)
         if step.plain and not step.special:  # every row plain: one token each, no drafts, nothing special
+            ahead = self.runs_ahead and self._decode_ahead(step, due, picks)
             self.post.accept_plain(due, picks, events)
+            if ahead:
+                self._cut_past_ends()
             return picks
         accept, add = self.post.accept, events.append  # bound once: the loop runs for every sequence
         for seq, pick, row in zip(due, picks, rows):
@@ -325,6 +339,63 @@ class Stepper:
                 if seq.status is not Status.FINISHED:
                     events.append(self.post.fail(seq, f"sampling failed: {type(e).__name__}: {e}"))
         return picks
+
+    def _decode_ahead(self, step: Step, due: list[Sequence], picks: list) -> bool:
+        """Decode the step after this plain one now, before its picks are accepted, where the
+        scheduler would hand the same rows over again: every row picked a token that, as far as
+        the token tells, does not end it, and nothing waits to be admitted. A decode that fails
+        is undone, and the next step is decoded in the plain order, which recovers from it."""
+        if len(due) != len(step.rows) or self._in_batch is not step or self.scheduler.waiting or not self.scheduler.repeats(step):
+            return False
+        continues = self.post.continues
+        for seq, pick in zip(due, picks):
+            if type(pick) is not int or not continues(seq, pick):
+                return False
+        self.batch.set_next(picks)
+        self.stats.decode_calls += 1
+        self.stats.sequence_slots += len(due)
+        try:
+            self.ctx.decode(self.batch)
+        except DecodeError as e:
+            self._in_batch = None
+            self._undo(due, stored=e.code not in (KV_FULL, INVALID_BATCH))
+            return False
+        self.stats.decodes_ahead += 1
+        self._ahead, self._ahead_ids = step, [seq.seq_id for seq in due]
+        return True
+
+    def _read_ahead(self, events: list[Event], carried: list[Sequence]) -> None:
+        """The step decoded ahead: its rows still running take their token in and sample the next
+        (deciding again whether to decode ahead); a row that ended since has its token cut off."""
+        started = time.perf_counter()
+        step = self._ahead
+        if not self._cut_past_ends():
+            return
+        rows = step.rows if self._in_batch is step else [seq for seq in step.rows if seq.status is Status.RUNNING]
+        carried += rows
+        logits = self.ctx.output_logits(self.batch.n_outputs, self.vocab.n_vocab)  # waits for the device
+        self._ahead = None
+        Sequence.advance_each(rows)
+        indices = range(len(rows)) if rows is step.rows else [k for k, seq in enumerate(step.rows) if seq.status is Status.RUNNING]
+        self._picked = self._sample(step, rows, indices, logits, events)
+        self.stats.record_step(started, time.perf_counter())
+
+    def _cut_past_ends(self) -> bool:
+        """Rows of the step decoded ahead that ended since it was decoded (a stop string, a
+        cancel) lose the token decoded past their end; the batch no longer holds the scheduler's
+        step then. Returns whether any row still runs (else nothing is left to read)."""
+        step = self._ahead
+        ended = [seq_id for seq, seq_id in zip(step.rows, self._ahead_ids) if seq.status is not Status.RUNNING]
+        if not ended:
+            return True
+        for seq, seq_id in zip(step.rows, self._ahead_ids):
+            if seq.status is not Status.RUNNING:
+                self.memory.truncate(seq_id, seq.n_past)
+        self._in_batch = None
+        if len(ended) == len(step.rows):
+            self._ahead = None
+            return False
+        return True
 
     def _verify(self, seq: Sequence, logits: np.ndarray, first: int) -> list[Event]:
         """Accept what the speculator keeps of the sequence's drafts (their rejected KV is

@@ -110,6 +110,10 @@ class Scheduler:
         self._repeat = step if repeats else None
         return step
 
+    def repeats(self, step: Step) -> bool:
+        """Whether schedule() would hand this step over again (no sequence joined or left since)."""
+        return self._repeat is step
+
     def recompose(self) -> None:
         """The last step did not go as composed (a decode failed and memory was put back): the
         next one is composed afresh."""

@@ -63,6 +63,7 @@ class EngineOptions:
     mmproj_offload: bool | None = None
     max_itl: str | None = None  # a duration (150ms): --parallel auto keeps p95 inter-token latency within it
     step_target: str | None = None  # a duration, auto or off; default: --max-itl when given
+    overlap: str | None = None  # auto, on or off
     verbose: bool = False
 
     @classmethod
