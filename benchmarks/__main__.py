@@ -17,7 +17,7 @@ BENCHMARKS = [
     "overhead", "sweep", "deterministic", "kv_layout", "samples", "admission", "score", "batch", "embeddings",
     "constraints", "speculative", "speculative_native", "cache_types", "lora", "priority", "serving", "rpc", "ray",
     "backend_sampling", "lm_eval", "families", "sampling", "tune", "prompt_cache", "models", "stall", "store", "gpu",
-    "multimodal", "storm", "page", "native_faults",
+    "multimodal", "storm", "page", "native_faults", "overlap",
 ]
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from .harness import Spread, alternate, model_path, paired, tiny_model
 
 SMOKE = ["--model", "tiny", "--batch", "4", "--steps", "8", "--rounds", "1"]
+PROMPT = 16  # tokens of each sequence's prompt
 
 
 def arguments(parser) -> None:
@@ -33,7 +34,7 @@ def arguments(parser) -> None:
 def context(model, b: int, threads: int, backend: bool):
     """A context for b sequences; with backend, a greedy chain attached to every seq_id."""
     p = llama_cpp.llama_context_default_params()
-    p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = 256 * b, 512, 512, b
+    p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = 256 * b, max(512, PROMPT * b), 512, b
     p.n_threads = p.n_threads_batch = threads
     chains = []
     if backend:
@@ -48,21 +49,21 @@ def context(model, b: int, threads: int, backend: bool):
 
 
 def greedy(ctx, b: int, steps: int, n_vocab: int, backend: bool) -> tuple[float, list[list[int]]]:
-    """Prefill b random 16-token prompts, then `steps` greedy steps; tokens/s of the steps, and the tokens."""
+    """Prefill b random PROMPT-token prompts, then `steps` greedy steps; tokens/s of the steps, and the tokens."""
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-    batch = llama_cpp.llama_batch_init(512, 0, 1)
+    batch = llama_cpp.llama_batch_init(max(512, PROMPT * b), 0, 1)  # every prompt in one decode
     try:
         rng = np.random.default_rng(0)
         n = 0
         for s in range(b):
-            for i, tok in enumerate(rng.integers(10, min(1000, n_vocab), 16)):
-                batch.token[n], batch.pos[n], batch.n_seq_id[n], batch.logits[n] = int(tok), i, 1, i == 15
+            for i, tok in enumerate(rng.integers(10, min(1000, n_vocab), PROMPT)):
+                batch.token[n], batch.pos[n], batch.n_seq_id[n], batch.logits[n] = int(tok), i, 1, i == PROMPT - 1
                 batch.seq_id[n][0] = s
                 n += 1
         batch.n_tokens = n
         if llama_cpp.llama_decode(ctx, batch) != 0:
             raise RuntimeError("prefill failed")
-        out_rows = [16 * s + 15 for s in range(b)]
+        out_rows = [PROMPT * s + PROMPT - 1 for s in range(b)]
         tokens: list[list[int]] = [[] for _ in range(b)]
         t = time.perf_counter()
         for step in range(steps):
@@ -74,7 +75,7 @@ def greedy(ctx, b: int, steps: int, n_vocab: int, backend: bool) -> tuple[float,
                 new = logits.argmax(axis=1).tolist()
             for s in range(b):
                 tokens[s].append(new[s])
-                batch.token[s], batch.pos[s], batch.n_seq_id[s], batch.logits[s] = new[s], 16 + step, 1, 1
+                batch.token[s], batch.pos[s], batch.n_seq_id[s], batch.logits[s] = new[s], PROMPT + step, 1, 1
                 batch.seq_id[s][0] = s
             batch.n_tokens = b
             out_rows = list(range(b))

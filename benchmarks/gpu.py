@@ -29,7 +29,7 @@ SMOKE = ["--rehearse"]
 def arguments(parser) -> None:
     parser.add_argument("--rehearse", action="store_true", help="tiny sizes on this machine's CPU (what CI runs)")
     parser.add_argument("--budget", type=float, default=540, help="seconds for every part together (the device tool's command runs at most 600)")
-    parser.add_argument("--start", type=int, default=1, help="the part to start from (1: the first), to go on in a second command")
+    parser.add_argument("--only", default=None, help="only the parts whose label holds one of these words (comma-separated): a second command")
     parser.add_argument("--pack", type=Path, default=None,
                         help="after each part, the --out folder packed into this tar file (the device tool brings back 8 files at most)")
 
@@ -53,6 +53,8 @@ def plan(args, shapes: Path) -> list[tuple[str, list[str]]]:
             ("serving, small shape", ["serving", "--model", str(shape_path(shapes, "small")), "--clients", "2", "--requests", "4",
                                       "--max-tokens", "8", "--rounds", "1", "--sides", "llamabatch,llama-server"]),
             ("overhead, tiny model", ["overhead", "--rounds", "1", "--batch-sizes", "1,2", "--gen-tokens", "8"]),
+            ("overlap on against off, small shape", ["overlap", "--model", str(shape_path(shapes, "small")), "--batch-sizes", "1,2",
+                                                     "--gen-tokens", "8", "--rounds", "1", "--threads", threads]),
         ]
     gemma, llama = "gemma3-270m", "llama3.1-8b"
     return [
@@ -67,6 +69,10 @@ def plan(args, shapes: Path) -> list[tuple[str, list[str]]]:
                                             "--requests", "512", "--max-tokens", "32", "--rounds", "1",
                                             "--sides", "llamabatch,llama-server", "--threads", threads]),
         ("sweep, Llama 3.1 8B shape, overlap off", sweep(llama, "1,8,32,64,128,256", 32, 1, "off")),
+        ("overlap on against off, default model's shape", ["overlap", "--model", str(shape_path(shapes, gemma)),
+                                                            "--batch-sizes", "1,8,32,64,128,256", "--rounds", "3", "--threads", threads]),
+        ("overlap on against off, Llama 3.1 8B shape", ["overlap", "--model", str(shape_path(shapes, llama)),
+                                                        "--batch-sizes", "1,8,32,64,128,256", "--rounds", "3", "--threads", threads]),
         ("overhead, tiny model", ["overhead", "--rounds", "2", "--batch-sizes", "1,8,32,64", "--gen-tokens", "64",
                                   "--threads", threads]),
     ]
@@ -98,7 +104,9 @@ def run(args, report) -> None:
         shapes = Path(os.environ["LLAMABATCH_GPU_DIR"]) / "shapes" if "LLAMABATCH_GPU_DIR" in os.environ else Path(tmp)
         shapes.mkdir(parents=True, exist_ok=True)
         folder = args.out or (Path(tmp) if args.smoke else None)  # a smoke's results are no results
-        run_parts(args, report, plan(args, shapes)[args.start - 1 :], ["--out", str(folder)] if folder is not None else [], deadline)
+        parts = [(label, command) for label, command in plan(args, shapes)
+                 if args.only is None or any(word in label for word in args.only.split(","))]
+        run_parts(args, report, parts, ["--out", str(folder)] if folder is not None else [], deadline)
 
 
 def run_parts(args, report, parts: list[tuple[str, list[str]]], out: list[str], deadline: float) -> None:
@@ -121,6 +129,8 @@ def run_parts(args, report, parts: list[tuple[str, list[str]]], out: list[str], 
         status = "ok" if done.returncode == 0 else f"failed ({done.returncode}): {' '.join(done.stderr.strip().splitlines()[-1:])}"
         progress(f"   {status} in {seconds:.0f} s")
         print(done.stdout, flush=True)
+        if done.returncode != 0:  # what it said last, whole: the one line above rarely names the cause
+            print("\n".join(done.stderr.strip().splitlines()[-40:]), flush=True)
         rows.append([label, status, f"{seconds:.0f} s", Path(written[0]).name if written else ""])
         if args.pack is not None and out:
             pack(Path(out[1]), args.pack)

@@ -31,10 +31,19 @@ def machine() -> dict:
         "llama_cpp_python": llama_cpp.__version__,
         "llama_cpp_system": llama_cpp.llama_print_system_info().decode().strip(),
         "native_build": _native_build(),
-        # A copy of the tree whose .git is not its own (a lent GPU machine) names its commit in LLAMABATCH_COMMIT.
-        "llamabatch_commit": os.environ.get("LLAMABATCH_COMMIT") or _git("rev-parse", "--short", "HEAD"),
-        "llamabatch_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        **_commit(),
     }
+
+
+def _commit() -> dict:
+    """The llamabatch commit measured, and whether the tree differed from it. A copy of the tree
+    whose .git is not its own (a lent GPU machine) names it in LLAMABATCH_COMMIT ("abc1234", or
+    "abc1234-dirty": scripts/gpu_pack.sh writes it)."""
+    named = os.environ.get("LLAMABATCH_COMMIT")
+    if named:
+        return {"llamabatch_commit": named.removesuffix("-dirty"), "llamabatch_dirty": named.endswith("-dirty")}
+    return {"llamabatch_commit": _git("rev-parse", "--short", "HEAD"),
+            "llamabatch_dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def _gpu() -> str | None:

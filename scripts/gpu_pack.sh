@@ -69,5 +69,6 @@ binding=$(python -c "import llama_cpp, os; print(os.path.dirname(llama_cpp.__fil
 cp -r "$binding" .gpu/site/
 rm -rf .gpu/site/llama_cpp/lib .gpu/site/llama_cpp/__pycache__
 cp -r "$(dirname "$binding")/llama_cpp_python-$version.dist-info" .gpu/site/
-git rev-parse --short HEAD > .gpu/commit  # the machine gets no .git: machine.py reads LLAMABATCH_COMMIT
+# The machine's .git is not this tree's: machine.py reads LLAMABATCH_COMMIT (gpu_run.sh sets it from this).
+echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu' || echo -dirty)" > .gpu/commit
 du -sh .gpu
