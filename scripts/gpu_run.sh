@@ -70,6 +70,10 @@ build)
     fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$root/site" .gpu/whl/*.whl
     cp -r .gpu/site/. "$root/site/"
+    # llamabatch runs from the tree (PYTHONPATH), with the metadata its __version__ reads.
+    version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
+    mkdir -p "$root/site/llamabatch-$version.dist-info"
+    printf 'Metadata-Version: 2.1\nName: llamabatch\nVersion: %s\n' "$version" > "$root/site/llamabatch-$version.dist-info/METADATA"
     mkdir -p "$root/site/llama_cpp/lib"
     cp -a "$root/build/bin/"lib*.so* "$root/site/llama_cpp/lib/"
     ls "$root/build/bin"
