@@ -10,6 +10,7 @@
 #                                    # nvcc and a GPU are; else the CPU's); .gpu/whl's packages
 #   bash scripts/gpu_run.sh bench    # python -m benchmarks gpu: its results files into $OUT
 #   bash scripts/gpu_run.sh bench --rehearse   # the same at tiny sizes (a CPU)
+#   bash scripts/gpu_run.sh exec COMMAND...    # a command with the build's libraries and packages
 #
 # llama-cpp-python's Python files come from .gpu/site, and the libraries built here go into its
 # lib folder, where it loads them from: no second build. Everything is written under
@@ -92,8 +93,13 @@ bench)
     tar -cf "$archive" -C "$root/out" .
     exit $status
     ;;
+exec)  # any command with the build's libraries and packages: what a diagnosis on the machine needs
+    use_libraries
+    export PYTHONPATH="$root/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" LLAMABATCH_NATIVE_DIR="$root/build"
+    "$@"
+    ;;
 *)
-    echo "usage: scripts/gpu_run.sh build | bench [--rehearse]" >&2
+    echo "usage: scripts/gpu_run.sh build | bench [--rehearse] | exec COMMAND..." >&2
     exit 2
     ;;
 esac
