@@ -57,24 +57,33 @@ def plan(args, shapes: Path) -> list[tuple[str, list[str]]]:
                                                      "--gen-tokens", "8", "--rounds", "1", "--threads", threads]),
         ]
     gemma, llama = "gemma3-270m", "llama3.1-8b"
+
+    def sampling(shape: str, b: int) -> list[str]:
+        return ["backend_sampling", "--model", str(shape_path(shapes, shape)), "-ngl", "-1", "--batch", str(b), "--steps", "32",
+                "--rounds", "3", "--threads", threads]
+
+    def overlap(shape: str) -> list[str]:
+        return ["overlap", "--model", str(shape_path(shapes, shape)), "--batch-sizes", "1,8,32,64,128,256", "--rounds", "3",
+                "--threads", threads]
+
+    sizes = "1,8,32,64,128,256"
     return [
-        ("native batch sizes (the B >= 32 fault)", ["native_faults", "--shape", gemma]),
+        # What a loop that generates can reach against llama-batched-bench's, which never waits for an output.
+        ("backend sampling, default model's shape, B 256", sampling(gemma, 256)),
+        ("backend sampling, Llama 3.1 8B shape, B 256", sampling(llama, 256)),
         ("sweep, Llama 3.1 8B shape, B <= 32", sweep(llama, "1,8,32", 32, 2, "auto")),
         ("sweep, Llama 3.1 8B shape, B >= 64", sweep(llama, "64,128,256", 32, 2, "auto")),
-        ("sweep, default model's shape", sweep(gemma, "1,8,32,64,128,256", 32, 2, "auto")),
-        ("sweep, default model's shape, overlap off", sweep(gemma, "1,8,32,64,128,256", 32, 2, "off")),
-        ("backend sampling, default model's shape, B 256", ["backend_sampling", "--model", str(shape_path(shapes, gemma)), "-ngl", "-1",
-                                                             "--batch", "256", "--steps", "32", "--rounds", "3", "--threads", threads]),
+        ("sweep, default model's shape", sweep(gemma, sizes, 32, 2, "auto")),
+        ("sweep, default model's shape, a KV cache per sequence", [*sweep(gemma, sizes, 32, 2, "auto"), "--no-kv-unified"]),
+        ("overlap on against off, default model's shape", overlap(gemma)),
+        ("overlap on against off, Llama 3.1 8B shape", overlap(llama)),
         ("serving, default model's shape", ["serving", "--model", str(shape_path(shapes, gemma)), "--clients", "64,256",
-                                            "--requests", "512", "--max-tokens", "32", "--rounds", "1",
+                                            "--requests", "512", "--max-tokens", "32", "--rounds", "2",
                                             "--sides", "llamabatch,llama-server", "--threads", threads]),
-        ("sweep, Llama 3.1 8B shape, overlap off", sweep(llama, "1,8,32,64,128,256", 32, 1, "off")),
-        ("overlap on against off, default model's shape", ["overlap", "--model", str(shape_path(shapes, gemma)),
-                                                            "--batch-sizes", "1,8,32,64,128,256", "--rounds", "3", "--threads", threads]),
-        ("overlap on against off, Llama 3.1 8B shape", ["overlap", "--model", str(shape_path(shapes, llama)),
-                                                        "--batch-sizes", "1,8,32,64,128,256", "--rounds", "3", "--threads", threads]),
-        ("overhead, tiny model", ["overhead", "--rounds", "2", "--batch-sizes", "1,8,32,64", "--gen-tokens", "64",
-                                  "--threads", threads]),
+        # The tests' tiny model faults in llama.cpp's CUDA kernels at B = 32 with 4096 KV cells or more, natively too
+        # (docs/performance.md): its overhead split stays below.
+        ("overhead, tiny model", ["overhead", "--rounds", "2", "--batch-sizes", "1,8,16", "--gen-tokens", "64", "--threads", threads]),
+        ("native batch sizes (the B >= 32 fault)", ["native_faults", "--shape", gemma]),
     ]
 
 
@@ -98,6 +107,7 @@ def shape_path(folder: Path, name: str) -> Path:
 
 
 def run(args, report) -> None:
+    args.smoke = args.smoke or args.rehearse  # a rehearsal's results are no results: not into benchmarks/results
     deadline = time.monotonic() + args.budget
     with tempfile.TemporaryDirectory(prefix="llamabatch-gpu-") as tmp:
         # On the lent machine the shapes stay for a second command; a rehearsal's go with it.

@@ -1,8 +1,9 @@
 """`python -m benchmarks report`: the docs' result pages, made from the results files.
 
-For each benchmark, docs/results/NAME.md shows every results file of it (newest first), each with
-the machine it ran on and the command that reproduces it, so a figure that varies between
-machines is shown from each. The sweep's points are also drawn (docs/results/sweep.png), and tune's curve (docs/results/tune.png).
+For each benchmark, docs/results/NAME.md shows every results file of it measured without a GPU
+(newest first), each with the machine it ran on and the command that reproduces it, so a figure
+that varies between machines is shown from each; docs/results/gpu.md shows those measured on a
+GPU, benchmark by benchmark. The sweep's points are also drawn (docs/results/sweep.png), and tune's curve (docs/results/tune.png).
 The docs build runs this too (scripts/mkdocs_hooks.py), so the pages never drift from the files.
 """
 
@@ -52,9 +53,10 @@ def page(name: str, runs: list[dict]) -> str:
 
 
 def shown_command(command: str) -> str:
-    """The command as a reader would type it: the earlier checkout --before compares with was a
-    folder of the machine it ran on."""
-    return re.sub(r"--before \S+", "--before <a checkout of the earlier commit>", command)
+    """The command as a reader would type it: the earlier checkout --before compares with, and the
+    models of real shapes the GPU run writes, were files of the machine it ran on."""
+    command = re.sub(r"--before \S+", "--before <a checkout of the earlier commit>", command)
+    return re.sub(r"\S*/shapes/([\w.-]+)\.gguf", r"<\1's shape: benchmarks/shapes.py>", command)  # written by the GPU run
 
 
 def _value(v):
@@ -131,7 +133,11 @@ def write(docs: Path = DOCS, folder: Path = RESULTS, readme: bool = True) -> lis
     results = load(folder)
     if readme and folder == RESULTS:
         write_readme(results)
+    on_gpu = {name: [d for d in runs if d["machine"].get("gpu")] for name, runs in results.items()}
     for name, runs in results.items():
+        runs = [d for d in runs if not d["machine"].get("gpu")]
+        if not runs:
+            continue
         path = docs / f"{name}.md"
         path.write_text(page(name, runs) + "\n")
         written.append(path)
@@ -141,6 +147,8 @@ def write(docs: Path = DOCS, folder: Path = RESULTS, readme: bool = True) -> lis
         if name == "tune":
             tune_plot(runs[0], docs / "tune.png")
             written.append(docs / "tune.png")
+    (docs / "gpu.md").write_text("\n".join(f"### `{name}`\n\n{page(name, runs)}" for name, runs in on_gpu.items() if runs) + "\n")
+    written.append(docs / "gpu.md")
     return written
 
 

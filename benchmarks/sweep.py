@@ -25,6 +25,7 @@ def arguments(parser) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-sequential", action="store_true", help="skip the one-at-a-time baseline")
     parser.add_argument("--overlap", default=None, choices=["auto", "on", "off"], help="llamabatch's --overlap (default: auto)")
+    parser.add_argument("--no-kv-unified", action="store_true", help="one KV cache per sequence, on both sides")
 
 
 def run(args, report) -> None:
@@ -33,7 +34,7 @@ def run(args, report) -> None:
         command = cli("sweep", "--json", "--batch-sizes", args.batch_sizes, "--threads", args.threads, "--repeat", args.repeat,
                       "--prompt-tokens", args.prompt_tokens, "--gen-tokens", args.gen_tokens, "--baseline", "native",
                       *([] if args.no_sequential else ["--baseline", "sequential"]), *(["--model", model] if model else []),
-                      *(["--overlap", args.overlap] if args.overlap else []))
+                      *(["--overlap", args.overlap] if args.overlap else []), *(["--no-kv-unified"] if args.no_kv_unified else []))
         points = json_lines(run_command(command)[1])
     report.figure("points", points)
     sequential = not args.no_sequential
@@ -43,7 +44,7 @@ def run(args, report) -> None:
         report.figure(f"s_tg_ratio_b{p['batch_size']}", p["s_tg_ratio"])
     report.table(
         f"{Path(model).name if model else 'the default model'}: PP {args.prompt_tokens}, TG {args.gen_tokens}, {args.threads} threads"
-        f"{f', overlap {args.overlap}' if args.overlap else ''}",
+        f"{f', overlap {args.overlap}' if args.overlap else ''}{', a KV cache per sequence' if args.no_kv_unified else ''}",
         ["B", "S_PP", "S_TG", "native S_TG", "S_TG / native", *(["Llama S (one at a time)"] if sequential else []),
          "TPOT p50 (ms)", "TTFT p50 (ms)"], rows,
         f"Tokens/s; medians of {args.repeat} repeats, native measured beside each batch size in the same process.",

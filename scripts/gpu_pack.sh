@@ -5,10 +5,11 @@
 #   .gpu/prebuilt.tar.xz    llama.cpp's CUDA libraries and tools built beforehand on this machine
 #                           (scripts/gpu_prebuild.sh), where they were: the lent machine's minutes
 #                           go to measuring, not compiling
-#   .gpu/llama.cpp.tar.gz   otherwise, the llama.cpp sources vendored in the installed
-#                           llama-cpp-python's sdist (the same llama.cpp), without docs, models,
-#                           tests, examples, the web UI's assets and the backends a CUDA or CPU
-#                           build does not use: gpu_run.sh build compiles them there
+#   .gpu/llama.cpp.tar.gz   the llama.cpp sources vendored in the installed llama-cpp-python's
+#                           sdist (the same llama.cpp), without docs, models, tests, examples, the
+#                           web UI's assets and the backends a CUDA or CPU build does not use:
+#                           gpu_run.sh build compiles them where there is no prebuilt build, or
+#                           it does not run
 #   .gpu/whl/               wheels for CPython 3.12 (GPU_PYTHON_VERSION: a rehearsal's own) of the
 #                           packages the machine's image lacks, at the versions installed here
 #   .gpu/site/              llama-cpp-python's own Python files (no libraries: gpu_run.sh builds
@@ -42,11 +43,10 @@ pack_sources() {
     rm -rf "$work"
 }
 
+pack_sources  # (also beside a prebuilt build: where that does not run, gpu_run.sh builds these)
 prebuilt=${GPU_PREBUILD_DIR:-$HOME/.cache/llamabatch/gpu}/prebuilt.tar.xz
 if [ -f "$prebuilt" ]; then
     cp "$prebuilt" .gpu/prebuilt.tar.xz
-else
-    pack_sources
 fi
 
 # The image's Python has numpy, jinja2, rich, typer, httpx, anyio, pyarrow, prometheus-client,

@@ -95,3 +95,16 @@ def test_auto_overlaps_only_where_layers_are_on_a_gpu(make_engine, monkeypatch):
 def test_an_unknown_overlap_is_refused(make_engine):
     with pytest.raises(ConfigError, match="--overlap must be 'auto', 'on' or 'off'"):
         make_engine(overlap="sometimes")
+
+
+@pytest.mark.parametrize("settings", [{}, {"speculative": "ngram"}], ids=["plain", "ngram drafts"])
+def test_constrained_rows_beside_free_ones_and_drafts_give_the_plain_orders_tokens(make_engine, settings):
+    """A step with a constrained row (a regex) is special and never decoded ahead, the free rows'
+    steps after it may be; speculation keeps the plain order: with overlap on, every output is
+    the plain order's."""
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, regex="[a-z]{1,6}( [a-z]{1,6}){0,8}") if k % 3 == 0
+              else SamplingParams(temperature=0, max_tokens=10 + 3 * k, ignore_eos=True) for k in range(len(PROMPTS))]
+    expected = outputs(make_engine(overlap="off", **settings), params)
+    engine = make_engine(overlap="on", **settings)
+    assert outputs(engine, params) == expected
+    assert (engine.stats.decodes_ahead > 0) == (not settings)
