@@ -120,14 +120,14 @@ def ctx(args) -> int:
 
 def shared_image(gguf: Path, projector: Path, image: bytes) -> dict:
     """One image, 8 questions, in process: how often it was encoded and read into memory."""
-    from llamabatch.engine import BatchEngine, ImagePrompt, SamplingParams
+    from llamabatch.engine import BatchEngine, MediaPrompt, SamplingParams
 
     with BatchEngine(gguf, mmproj=projector, n_parallel=8, n_ctx=8192, chat_template="chatml", chat=True) as engine:
-        results = engine.generate([ImagePrompt(f"Question {k}: what is in this image?", (image,)) for k in range(8)],
+        results = engine.generate([MediaPrompt(f"Question {k}: what is in this image?", (image,)) for k in range(8)],
                                   SamplingParams(max_tokens=4, temperature=0))
         if any(r.error for r in results):
             raise RuntimeError(f"shared image: {[r.error for r in results if r.error][0]}")
-        return {"questions": 8, "images_encoded": engine.images_encoded, "images_read": engine.stats.images_read}
+        return {"questions": 8, "media_encoded": engine.media_encoded, "media_read": engine.stats.media_read}
 
 
 def n_embd(gguf: Path) -> int:
@@ -181,5 +181,5 @@ def run(args, report) -> None:
         f"{args.clients} clients for the servers, {args.threads} threads",
         ["side", "images/s"], rows,
         f"Medians (lowest–highest) of {args.rounds} alternating rounds, a fresh process each; ratios paired within rounds. "
-        f"One image asked 8 questions (in process): encoded {shared['images_encoded']}×, read into memory {shared['images_read']}×.",
+        f"One image asked 8 questions (in process): encoded {shared['media_encoded']}×, read into memory {shared['media_read']}×.",
     )

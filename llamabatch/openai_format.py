@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from .chat import Tools
 from .chat.conversation import Answer
-from .engine import IMAGE_MARKER, BatchEngine, ImagePrompt, Infill, SamplingParams, Sequence
+from .engine import MEDIA_MARKER, BatchEngine, MediaPrompt, Infill, SamplingParams, Sequence
 from .engine.results import PromptProgress
 from .engine.sampling.constraints import Constraint
 from .engine.native.handles import Vocab
@@ -305,6 +305,35 @@ class ImagePart(Body):
     type: Literal["image_url"]
     image_url: ImageURL
 
+    def data(self) -> bytes:
+        return self.image_url.data()
+
+
+class InputAudio(Body):
+    data: StrictStr  # the clip's file, base64
+    format: Literal["wav", "mp3", "flac"]  # (libmtmd tells them apart by their bytes)
+
+    @field_validator("data")
+    @classmethod
+    def _base64(cls, data: str) -> str:
+        try:
+            if not base64.b64decode(data, validate=True):
+                raise binascii.Error
+        except binascii.Error:
+            raise ValueError("must be the clip's file in base64 (WAV, MP3, FLAC)") from None
+        return data
+
+
+class AudioPart(Body):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+    def data(self) -> bytes:
+        return base64.b64decode(self.input_audio.data)
+
+
+MEDIA_PARTS = {"image_url": ImagePart, "input_audio": AudioPart}
+
 
 class FunctionCall(Body):
     name: NonEmptyStr
@@ -321,7 +350,7 @@ class ToolCallIn(Body):
 
 class ChatMessage(Body):
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: Text | list[TextPart | ImagePart] | None = None  # None: an assistant turn that only called tools
+    content: Text | list[TextPart | ImagePart | AudioPart] | None = None  # None: an assistant turn that only called tools
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None  # a tool message: the call it answers
     tool_calls: list[ToolCallIn] | None = None
@@ -336,11 +365,11 @@ class ChatMessage(Body):
     @classmethod
     def _known_parts_only(cls, content):
         for i, part in enumerate(content if isinstance(content, list) else ()):
-            if isinstance(part, dict) and part.get("type") not in ("text", "image_url"):
-                raise ValueError(f"content part {i} is of type {part.get('type')!r}: only text and image_url parts are supported")
-            if isinstance(part, dict) and part.get("type") == "image_url":  # its own complaint, not the text branch's
+            if isinstance(part, dict) and part.get("type") not in ("text", *MEDIA_PARTS):
+                raise ValueError(f"content part {i} is of type {part.get('type')!r}: only text, image_url and input_audio parts are supported")
+            if isinstance(part, dict) and part.get("type") in MEDIA_PARTS:  # its own complaint, not the text branch's
                 try:
-                    ImagePart.model_validate(part)
+                    MEDIA_PARTS[part["type"]].model_validate(part)
                 except ValidationError as e:
                     raise ValueError(f"content part {i}: {validation_message(e)}") from None
         return content
@@ -354,15 +383,15 @@ class ChatMessage(Body):
         return self
 
     @property
-    def images(self) -> list[bytes]:
-        """Its images, in order (each shown in the rendered text by IMAGE_MARKER)."""
-        return [p.image_url.data() for p in self.content if isinstance(p, ImagePart)] if isinstance(self.content, list) else []
+    def media(self) -> list[bytes]:
+        """Its images and audio clips, in order (each shown in the rendered text by MEDIA_MARKER)."""
+        return [p.data() for p in self.content if not isinstance(p, TextPart)] if isinstance(self.content, list) else []
 
     def rendered(self) -> dict:
-        """The message as chat templates read it: parts joined (an image as IMAGE_MARKER, where
-        the projector reads it in), developer read as system."""
+        """The message as chat templates read it: parts joined (an image or a clip as
+        MEDIA_MARKER, where the projector reads it in), developer read as system."""
         text = self.content if isinstance(self.content, str) or self.content is None else \
-            "\n".join(p.text if isinstance(p, TextPart) else IMAGE_MARKER for p in self.content)
+            "\n".join(p.text if isinstance(p, TextPart) else MEDIA_MARKER for p in self.content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": text or ""}
         if self.tool_calls:
             message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
@@ -470,7 +499,7 @@ def refusal_status(error: LlamabatchError) -> int:
 class EngineInputs:
     """What the engine runs for a request body, and how a chat answer is read back."""
 
-    prompts: list[str | list[int] | ImagePrompt]
+    prompts: list[str | list[int] | MediaPrompt]
     params: SamplingParams
     answer: Answer | None = None  # chat: tool calls and reasoning to parse out of the text
 
@@ -488,9 +517,9 @@ def engine_inputs(body: SamplingFields, engine: BatchEngine, reasoning_budget: i
         budget = reasoning_budget if body.reasoning_budget is None else body.reasoning_budget
         prompt = engine.chat_prompt([m.rendered() for m in body.messages], tools, body.chat_template_kwargs, budget)
         params = replace(params, lark=prompt.lark, thinking_budget=prompt.thinking_budget, shown_tokens=prompt.shown_tokens)
-        images = tuple(image for m in body.messages for image in m.images)
-        if images:  # the projector reads the rendered text with them
-            return EngineInputs([ImagePrompt(prompt.text, images, templated=True)], params, prompt.answer)
+        media = tuple(item for m in body.messages for item in m.media)
+        if media:  # the projector reads the rendered text with them
+            return EngineInputs([MediaPrompt(prompt.text, media, templated=True)], params, prompt.answer)
         return EngineInputs([prompt.tokens], params, prompt.answer)  # ids: an engine with --chat must not template it again
     if isinstance(body, CompletionRequest) and body.suffix is not None:
         if body.echo:

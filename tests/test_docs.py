@@ -42,7 +42,7 @@ import httpx
 import pytest
 import yaml
 
-from tiny_model import write_tiny_lora, write_tiny_model, write_tiny_projector
+from tiny_model import write_tiny_audio_projector, write_tiny_lora, write_tiny_model, write_tiny_projector
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "guides").glob("*.md"))]
@@ -151,6 +151,7 @@ def write_files(work: Path) -> None:
     write_tiny_model(work / "small.gguf", n_ctx_train=8192, seed=3)  # a draft model: the same vocabulary
     write_tiny_model(work / "my-reranker.gguf", rank_head=True)
     write_tiny_projector(work / "mmproj.gguf")
+    write_tiny_audio_projector(work / "tiny-audio-mmproj.gguf")
     write_tiny_model(work / "coder.gguf", fim=True)
     for name in ("house-style", "terse", "a", "b"):
         write_tiny_lora(work / f"{name}.gguf")

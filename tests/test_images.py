@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from llamabatch.engine import BatchEngine, ImagePrompt, SamplingParams
+from llamabatch.engine import BatchEngine, MediaPrompt, SamplingParams
 from llamabatch.errors import ModelError
 from llamabatch.measure.sweep import native_tool
 from conftest import native_built
@@ -52,7 +52,7 @@ def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
 def test_an_image_is_read_into_its_positions_and_changes_what_follows(engine):
     """The same question about two images: the image's positions count as prompt tokens, and
     the first token's log-probability differs (each image reached the text model)."""
-    seqs = engine.submit([ImagePrompt("what is it", (RED,)), ImagePrompt("what is it", (GREEN,)), "what is it"],
+    seqs = engine.submit([MediaPrompt("what is it", (RED,)), MediaPrompt("what is it", (GREEN,)), "what is it"],
                          greedy(2, logprobs=1))
     for _ in engine.run():
         pass
@@ -67,39 +67,39 @@ def test_a_shared_image_is_encoded_once_and_read_once(engine):
     """Eight questions about one photo: encoded once (by its pixels' hash), decoded into one
     sequence's memory once, and the rest copy that prefix as they would text."""
     photo = png((1, 2, 3))
-    encoded, read = engine.images_encoded, engine.stats.images_read
-    results = engine.generate([ImagePrompt(f"question {k}", (photo,)) for k in range(8)], greedy(4))
+    encoded, read = engine.media_encoded, engine.stats.media_read
+    results = engine.generate([MediaPrompt(f"question {k}", (photo,)) for k in range(8)], greedy(4))
     assert all(r.error is None and r.completion_tokens == 4 for r in results)
-    assert engine.images_encoded - encoded == 1
-    assert engine.stats.images_read - read == 1
+    assert engine.media_encoded - encoded == 1
+    assert engine.stats.media_read - read == 1
     assert all(r.cached_tokens > 4 for r in results[1:])  # the image's 4 positions among what each copied
 
 
 def test_a_bad_image_fails_alone(engine):
-    good = ImagePrompt("what is it", (RED,))
-    results = engine.generate([good, ImagePrompt("and this", (b"not an image at all",)), "plain text"], greedy(4))
+    good = MediaPrompt("what is it", (RED,))
+    results = engine.generate([good, MediaPrompt("and this", (b"not an image at all",)), "plain text"], greedy(4))
     assert results[0].error is None and results[2].error is None
     assert results[1].finish_reason == "error" and "image 1: not an image" in results[1].error
 
 
 @pytest.mark.parametrize("prompt, images, why", [
-    ("two markers " + MARKER + MARKER, (RED,), "2 image markers"),
-    ("one marker " + MARKER, (RED, GREEN), "1 image markers for 2 images"),
+    ("two markers " + MARKER + MARKER, (RED,), "2 media markers for 1 images and clips"),
+    ("one marker " + MARKER, (RED, GREEN), "1 media markers for 2 images and clips"),
 ])
 def test_markers_and_images_must_agree(engine, prompt, images, why):
-    (result,) = engine.generate([ImagePrompt(prompt, images)], greedy())
+    (result,) = engine.generate([MediaPrompt(prompt, images)], greedy())
     assert result.finish_reason == "error" and why in result.error
 
 
 def test_a_prompt_that_ends_with_an_image_is_refused(tiny_model, projector):
     with BatchEngine(tiny_model, mmproj=projector, n_parallel=1, n_ctx=512) as engine:
-        (result,) = engine.generate([ImagePrompt("describe: " + MARKER, (RED,))], greedy())
+        (result,) = engine.generate([MediaPrompt("describe: " + MARKER, (RED,))], greedy())
     assert result.finish_reason == "error" and "ends with an image" in result.error
 
 
 def test_a_model_without_a_projector_refuses_images(make_engine):
     engine = make_engine(n_parallel=1)
-    (result,) = engine.generate([ImagePrompt("what is it", (RED,))], greedy())
+    (result,) = engine.generate([MediaPrompt("what is it", (RED,))], greedy())
     assert result.finish_reason == "error" and "--mmproj" in result.error
 
 
@@ -123,20 +123,20 @@ def test_images_on_every_family(arch, tmp_path, projector):
             BatchEngine(model, mmproj=projector, n_parallel=1, n_ctx=512)
         return
     with BatchEngine(model, mmproj=projector, n_parallel=3, n_ctx=1536) as engine:
-        results = engine.generate([ImagePrompt("what is it", (RED,)), ImagePrompt("and this", (RED,)), "text"], greedy(6))
+        results = engine.generate([MediaPrompt("what is it", (RED,)), MediaPrompt("and this", (RED,)), "text"], greedy(6))
     assert [r.error for r in results] == [None] * 3
     assert all(r.completion_tokens == 6 or r.finish_reason == "stop" for r in results)
 
 
-def _mtmd_cli_reply(model: Path, projector: Path, image: Path, prompt: str, n: int) -> bytes:
-    """llama-mtmd-cli's greedy reply. Its log thread is not flushed at exit, so a run may lose
-    the end of its output (here, about one run in two): a whole one ends with the reply's
-    closing line and the CLI's. A run takes a tenth of a second."""
+def mtmd_cli_reply(model: Path, projector: Path, media: Path, prompt: str, n: int, flag: str = "--image", n_ctx: int = 1024) -> bytes:
+    """llama-mtmd-cli's greedy reply (`flag`: --image or --audio). Its log thread is not flushed
+    at exit, so a run may lose the end of its output (here, about one run in two): a whole one
+    ends with the reply's closing line and the CLI's. A run takes a tenth of a second."""
     marker = b"@@@REPLY@@@"
     for _ in range(MTMD_CLI_ATTEMPTS):
         done = subprocess.run(
-            [str(native_tool("llama-mtmd-cli")), "-m", str(model), "--mmproj", str(projector), "--image", str(image),
-             "-p", prompt, "-n", str(n), "--temp", "0", "-c", "1024", "-t", "2", "--no-warmup"],
+            [str(native_tool("llama-mtmd-cli")), "-m", str(model), "--mmproj", str(projector), flag, str(media),
+             "-p", prompt, "-n", str(n), "--temp", "0", "-c", str(n_ctx), "-t", "2", "--no-warmup"],
             capture_output=True, timeout=300, env={**os.environ, "MTMD_TEST_RESPONSE_MARKER": marker.decode()},
         )
         assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
@@ -163,9 +163,9 @@ def test_greedy_tokens_equal_llama_mtmd_cli(projector, tmp_path):
     for k, (_, color) in enumerate(cases):
         files.append(tmp_path / f"{k}.png")
         files[-1].write_bytes(png(color))
-    expected = [_mtmd_cli_reply(tiny_model, projector, path, prompt, 12) for (prompt, _), path in zip(cases, files)]
+    expected = [mtmd_cli_reply(tiny_model, projector, path, prompt, 12) for (prompt, _), path in zip(cases, files)]
     with BatchEngine(tiny_model, mmproj=projector, n_parallel=2, n_ctx=2048, chat=True) as engine:
-        seqs = engine.submit([ImagePrompt(p, (f.read_bytes(),)) for (p, _), f in zip(cases, files)], greedy(12))
+        seqs = engine.submit([MediaPrompt(p, (f.read_bytes(),)) for (p, _), f in zip(cases, files)], greedy(12))
         for _ in engine.run():
             pass
         got = [b"".join(engine.vocab.piece(t) for t in s.tokens[s.n_prompt:] if not engine.vocab.is_eog(t)) for s in seqs]
@@ -179,7 +179,7 @@ def test_greedy_tokens_equal_llama_mtmd_cli(projector, tmp_path):
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert [line["text"] for line in lines[:2]] == [e.decode(errors="replace") for e in expected]
-    assert lines[2]["summary"]["images_encoded"] == 2 and lines[2]["summary"]["images_read"] == 2
+    assert lines[2]["summary"]["media_encoded"] == 2 and lines[2]["summary"]["media_read"] == 2
 
 
 # -- the server: OpenAI's image_url parts, through the official client ------------------------
@@ -203,7 +203,7 @@ def test_a_chat_with_an_image_answers_as_the_engine_does(image_server, tiny_mode
     content = [{"type": "text", "text": "what is it"}, {"type": "image_url", "image_url": {"url": data_url(RED)}}]
     reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0)
     with BatchEngine(tiny_model, mmproj=projector, n_parallel=1, n_ctx=512, chat=True) as engine:
-        (expected,) = engine.generate([ImagePrompt("what is it\n" + MARKER, (RED,))], greedy(8))
+        (expected,) = engine.generate([MediaPrompt("what is it\n" + MARKER, (RED,))], greedy(8))
     assert reply.choices[0].message.content == expected.text
     assert reply.usage.prompt_tokens == expected.prompt_tokens
 
@@ -234,7 +234,7 @@ def test_an_anthropic_image_block_is_read_as_openai_s_image_part(image_server, t
     reply = client.messages.create(model="tiny", max_tokens=8, extra_body={"temperature": 0}, messages=[{"role": "user", "content": content}])
     counted = client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": content}])
     with BatchEngine(tiny_model, mmproj=projector, n_parallel=1, n_ctx=512, chat=True) as engine:
-        (expected,) = engine.generate([ImagePrompt("what is it\n" + MARKER, (RED,))], greedy(8))
+        (expected,) = engine.generate([MediaPrompt("what is it\n" + MARKER, (RED,))], greedy(8))
     assert reply.content[0].text == expected.text
     assert counted.input_tokens == expected.prompt_tokens
 
@@ -246,7 +246,7 @@ def test_a_responses_input_image_is_read_as_the_chat_s_image_part(image_server, 
     content = [{"type": "input_text", "text": "what is it"}, {"type": "input_image", "image_url": data_url(RED)}]
     reply = client.responses.create(model="tiny", input=[{"role": "user", "content": content}], max_output_tokens=8, temperature=0)
     with BatchEngine(tiny_model, mmproj=projector, n_parallel=1, n_ctx=512, chat=True) as engine:
-        (expected,) = engine.generate([ImagePrompt("what is it\n" + MARKER, (RED,))], greedy(8))
+        (expected,) = engine.generate([MediaPrompt("what is it\n" + MARKER, (RED,))], greedy(8))
     assert reply.output_text == expected.text
     assert reply.usage.input_tokens == expected.prompt_tokens
 
@@ -273,7 +273,7 @@ def test_a_batch_job_of_chat_lines_with_images(tiny_model, projector, tmp_path):
     assert sorted(out) == ["green", "red"] and sorted(errors) == ["junk"]
     assert "image 1: not an image" in errors["junk"]["error"]["message"]
     with BatchEngine(tiny_model, mmproj=projector, n_parallel=1, n_ctx=512, chat=True) as engine:
-        expected = engine.generate([ImagePrompt("what is it\n" + MARKER, (image,)) for image in (RED, GREEN)], greedy(6))
+        expected = engine.generate([MediaPrompt("what is it\n" + MARKER, (image,)) for image in (RED, GREEN)], greedy(6))
     for custom_id, want in zip(("red", "green"), expected):
         assert out[custom_id]["response"]["body"]["choices"][0]["message"]["content"] == want.text
 
@@ -301,7 +301,7 @@ def test_a_jsonl_job_names_its_images_by_path(tiny_model, projector, tmp_path):
     errors = {json.loads(x)["id"]: json.loads(x) for x in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()}
     assert sorted(out) == ["both", "red"] and "image file not found" in errors["gone"]["error"]["message"]
     with BatchEngine(tiny_model, mmproj=projector, n_parallel=1, n_ctx=1024, chat=True) as engine:
-        red, both = engine.generate([ImagePrompt("what is it", (RED,)), ImagePrompt(f"{MARKER} and {MARKER}", (GREEN, RED))], greedy(6))
+        red, both = engine.generate([MediaPrompt("what is it", (RED,)), MediaPrompt(f"{MARKER} and {MARKER}", (GREEN, RED))], greedy(6))
     assert out["red"]["choices"][0]["text"] == red.text and out["both"]["choices"][0]["text"] == both.text
     source.write_text("".join(json.dumps({**line, "max_tokens": 6, "temperature": 0}) + "\n" for line in lines if line["id"] != "gone"))
     ran = CliRunner().invoke(app, ["run", "--prompts-file", str(source), "--json", *common])
@@ -316,9 +316,9 @@ def test_sampled_samples_of_one_image_share_it_and_repeat_with_their_seed(tiny_m
 
     def draw() -> tuple[list[str], int]:
         with BatchEngine(tiny_model, mmproj=projector, n_parallel=3, n_ctx=1024, chat=True) as engine:
-            results = engine.generate([ImagePrompt("what is it", (RED,))], params)
+            results = engine.generate([MediaPrompt("what is it", (RED,))], params)
             assert all(r.error is None and r.completion_tokens == 8 or r.finish_reason == "stop" for r in results)
-            return [r.text for r in results], engine.stats.images_read
+            return [r.text for r in results], engine.stats.media_read
 
     (texts, read), (again, _) = draw(), draw()
     assert read == 1 and texts == again

@@ -80,10 +80,13 @@ def test_chat_content_parts_roles_and_max_completion_tokens(client, base):
     assert "content part 1: image_url.url: remote image URLs are not fetched" in image.json()["error"]["message"]
     inline = httpx.post(f"{base}/v1/chat/completions", timeout=10, json={"messages": [{"role": "user", "content": [
         {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]})
-    assert inline.status_code == 400 and "images need --mmproj" in inline.json()["error"]["message"]  # a model without a projector
+    assert inline.status_code == 400 and "images and audio need --mmproj" in inline.json()["error"]["message"]  # a model without a projector
     audio = httpx.post(f"{base}/v1/chat/completions", timeout=10, json={"messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]})
-    assert audio.status_code == 400 and "only text and image_url parts are supported" in audio.json()["error"]["message"]
+    assert audio.status_code == 400 and "content part 0: input_audio.data: must be the clip's file in base64" in audio.json()["error"]["message"]
+    video = httpx.post(f"{base}/v1/chat/completions", timeout=10, json={"messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]})
+    assert video.status_code == 400 and "only text, image_url and input_audio parts are supported" in video.json()["error"]["message"]
     wizard = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}]}, timeout=10)
     assert wizard.status_code == 400 and "messages.0.role" in wizard.json()["error"]["message"]
 

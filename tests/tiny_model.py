@@ -416,6 +416,70 @@ def write_tiny_projector(
     return path
 
 
+def write_tiny_audio_projector(
+    path: Path, *, n_embd_text: int = 64, n_embd: int = 32, n_layer: int = 2, n_head: int = 4, n_ff: int = 64,
+    n_mel: int = 16, seed: int = 0,
+) -> Path:
+    """Write a tiny audio projector (an mmproj GGUF) of Qwen2-Audio's kind, as llama.cpp's
+    tools/mtmd/clip.cpp loads it ("qwen2a": Whisper's encoder, two 1-D convolutions, the second
+    of stride 2, then a ViT and an average pool of 2; one linear layer into the text model's
+    n_embd_text): a clip is read in 30-second pieces of 3000 mel frames, 750 positions each."""
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    w = GGUFWriter(str(path), "clip")
+    w.add_name("tiny-test-audio-projector")
+    w.add_bool("clip.has_audio_encoder", True)
+    w.add_string("clip.projector_type", "qwen2a")
+    for key, value in (("embedding_length", n_embd), ("feed_forward_length", n_ff), ("block_count", n_layer),
+                       ("projection_dim", n_embd_text), ("attention.head_count", n_head), ("num_mel_bins", n_mel)):
+        w.add_uint32(f"clip.audio.{key}", value)
+    w.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
+    w.add_file_type(0)  # all F32
+    # Convolutions as ggml lays them out (kernel width, in, out); a bias per output channel.
+    w.add_tensor("a.conv1d.1.weight", weight(n_embd, n_mel, 3))
+    w.add_tensor("a.conv1d.1.bias", np.zeros((n_embd, 1), np.float32))
+    w.add_tensor("a.conv1d.2.weight", weight(n_embd, n_embd, 3))
+    w.add_tensor("a.conv1d.2.bias", np.zeros((n_embd, 1), np.float32))
+    w.add_tensor("a.position_embd.weight", weight(1500, n_embd))  # a 30-second piece's positions after the stride
+    for i in range(n_layer):
+        b = f"a.blk.{i}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"{b}.{name}.weight", weight(n_embd, n_embd))
+            if name != "attn_k":  # Whisper's keys have no bias
+                w.add_tensor(f"{b}.{name}.bias", np.zeros(n_embd, np.float32))
+        for norm in ("ln1", "ln2"):
+            w.add_tensor(f"{b}.{norm}.weight", np.ones(n_embd, np.float32))
+            w.add_tensor(f"{b}.{norm}.bias", np.zeros(n_embd, np.float32))
+        w.add_tensor(f"{b}.ffn_up.weight", weight(n_ff, n_embd))
+        w.add_tensor(f"{b}.ffn_up.bias", np.zeros(n_ff, np.float32))
+        w.add_tensor(f"{b}.ffn_down.weight", weight(n_embd, n_ff))
+        w.add_tensor(f"{b}.ffn_down.bias", np.zeros(n_embd, np.float32))
+    w.add_tensor("mm.a.fc.weight", weight(n_embd_text, n_embd, scale=1.0))
+    w.add_tensor("mm.a.fc.bias", np.zeros(n_embd_text, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def wav(samples: np.ndarray, rate: int = 16_000) -> bytes:
+    """A mono 16-bit WAV file of samples in [-1, 1]."""
+    import io
+    import wave
+
+    out = io.BytesIO()
+    with wave.open(out, "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes((np.clip(samples, -1, 1) * 32767).astype(np.int16).tobytes())
+    return out.getvalue()
+
+
 if __name__ == "__main__":  # python tests/tiny_model.py tiny.gguf: the model the docs' examples name
     import sys
 

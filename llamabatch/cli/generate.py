@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import display
-from ..engine import BatchEngine, ImagePrompt, Result, SamplingParams, Sequence
+from ..engine import BatchEngine, MediaPrompt, Result, SamplingParams, Sequence
 from ..engine.sizing.options import EngineOptions
 from ..errors import LlamabatchError
 from ..jobs.prompts import gather_prompts
@@ -23,6 +23,7 @@ def run(
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(help="Prompts: one per line, or JSONL objects with 'prompt' and sampling fields.")] = None,
     image: Annotated[Optional[list[Path]], typer.Option("--image", help="An image file (repeatable): one shown with every prompt, or one per prompt. Needs --mmproj.")] = None,
+    audio: Annotated[Optional[list[Path]], typer.Option("--audio", help="An audio file, WAV, MP3 or FLAC (repeatable): one played with every prompt, or one per prompt. Needs an --mmproj that takes audio.")] = None,
     model: ModelOpt = None,
     config: CatalogOpt = None,
     max_tokens: MaxTokensOpt = DEFAULT.max_tokens,
@@ -101,31 +102,36 @@ def run(
         **constraint(json_schema, grammar, regex, choice), **further_samplers(context.params),
     )
     prompts, params = gather_prompts(prompt or [], prompts_file, base)
-    if image:
-        prompts = _with_images(prompts, image)
+    if image or audio:
+        prompts = _with_media(prompts, {"--image": image or [], "--audio": audio or []})
     with BatchEngine(**EngineOptions.of(context.params).engine_kwargs(n_sequences=sum(p.n for p in params))) as engine:
         sequences = engine.submit(prompts, params)
         _drive(engine, sequences, live=stream and not json_out)
         results = [seq.result() for seq in sequences]
         stats = {"model": engine.model_name, "parallel": engine.config.n_parallel, **engine.stats.summary()}
         if engine.config.mmproj:
-            stats["images_encoded"] = engine.images_encoded
+            stats["media_encoded"] = engine.media_encoded
     _report(results, stats, json_out=json_out, streamed=stream)
     if any(r.error for r in results):
         raise typer.Exit(1)
 
 
-def _with_images(prompts: list[str | ImagePrompt], images: list[Path]) -> list[ImagePrompt]:
-    """--image: one image shown with every prompt, or one per prompt, in order."""
-    if any(isinstance(p, ImagePrompt) for p in prompts):
-        raise LlamabatchError("--image with a prompts file whose lines name their images: give one or the other")
-    if len(images) not in (1, len(prompts)):
-        raise LlamabatchError(f"--image: give one image (shown with every prompt) or one per prompt ({len(prompts)} prompts, {len(images)} images)")
-    for path in images:
-        if not path.is_file():
-            raise LlamabatchError(f"--image: file not found: {path}")
-    data = [path.read_bytes() for path in images]
-    return [ImagePrompt(str(text), (data[0] if len(data) == 1 else data[k],)) for k, text in enumerate(prompts)]
+def _with_media(prompts: list[str | MediaPrompt], files: dict[str, list[Path]]) -> list[MediaPrompt]:
+    """--image and --audio: each one file shown with every prompt, or one per prompt, in order (a
+    prompt's image before its clip)."""
+    if any(isinstance(p, MediaPrompt) for p in prompts):
+        raise LlamabatchError("--image or --audio with a prompts file whose lines name their images: give one or the other")
+    media: list[list[bytes]] = [[] for _ in prompts]
+    for option, paths in files.items():
+        if paths and len(paths) not in (1, len(prompts)):
+            raise LlamabatchError(f"{option}: give one file (shown with every prompt) or one per prompt ({len(prompts)} prompts, {len(paths)} files)")
+        for path in paths:
+            if not path.is_file():
+                raise LlamabatchError(f"{option}: file not found: {path}")
+        data = [path.read_bytes() for path in paths]
+        for k, shown in enumerate(media):
+            shown += data[:1] if len(data) == 1 else data[k : k + 1]
+    return [MediaPrompt(str(text), tuple(shown)) for text, shown in zip(prompts, media)]
 
 
 def _drive(engine: BatchEngine, sequences: list[Sequence], live: bool) -> None:

@@ -103,7 +103,7 @@ ChatOpt = Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", help="Chat template: a Jinja file, or a llama.cpp built-in's name (chatml, gemma, llama3...). Default: the GGUF's.")]
 MmprojOpt = Annotated[Optional[str], typer.Option(
-    "--mmproj", help="The model's multimodal projector (an mmproj GGUF): prompts may show images.")]
+    "--mmproj", help="The model's multimodal projector (an mmproj GGUF): prompts may show images or play audio, as it reads them.")]
 MmprojOffloadOpt = Annotated[Optional[bool], typer.Option(
     "--mmproj-offload/--no-mmproj-offload", help="Run the projector on the GPU (default) or on the CPU.")]
 # llama.cpp's further samplers, named as llama-server's request fields (min_tokens and bad words: vLLM's)

@@ -4,13 +4,13 @@ It imports nothing of serve, jobs, measure or cli; only the top-level errors and
 from .batch_engine import BatchEngine
 from .config import EngineConfig
 from .infill import ExtraFile, Infill
-from .intake import ImagePrompt
-from .native.projector import IMAGE_MARKER
+from .intake import MediaPrompt
+from .native.projector import MEDIA_MARKER
 from .results import Event, Result, RunStats, Timings, TokenLogprob
 from .sampling.params import SamplingParams
 from .sequence import Sequence, Status
 
 __all__ = [
-    "BatchEngine", "EngineConfig", "Event", "ExtraFile", "IMAGE_MARKER", "ImagePrompt", "Infill", "Result", "RunStats", "SamplingParams", "Sequence", "Status",
+    "BatchEngine", "EngineConfig", "Event", "ExtraFile", "MEDIA_MARKER", "MediaPrompt", "Infill", "Result", "RunStats", "SamplingParams", "Sequence", "Status",
     "Timings", "TokenLogprob",
 ]

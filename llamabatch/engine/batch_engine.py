@@ -124,7 +124,7 @@ class BatchEngine:
         self, prompt: PromptInput, params: SamplingParams | None = None, index: int | None = None,
         *, score_from: int | None = None, priority: int = 0, priority_class: str = "interactive",
     ) -> list[Sequence]:
-        """Queue a prompt (text, token ids, or an ImagePrompt) for params.n samples, which share its KV. With
+        """Queue a prompt (text, token ids, or an MediaPrompt) for params.n samples, which share its KV. With
         score_from (or params.prompt_logprobs, which scores from the second token), the prompt's
         tokens from that index on get their log-probabilities as it is decoded. A lower priority
         runs first (queue.rank), preempting worse-ranked sequences when no slot is free.
@@ -150,7 +150,7 @@ class BatchEngine:
         return len(self.intake.positions(prompt))
 
     @property
-    def images_encoded(self) -> int:
+    def media_encoded(self) -> int:
         """Images the projector encoded since the engine was made (one shown again is not encoded again)."""
         projector = self.runtime.projector
         return 0 if projector is None else projector.n_encoded

@@ -22,8 +22,8 @@ from .sampling.thinking import Thought
 
 @dataclass(frozen=True)
 class Prompt:
-    """A text prompt with its tokens, as Intake.prepare tokenized it ahead of add(); with images,
-    as Intake.media_prompt read it (an image's positions hold placeholders: media.placeholders)."""
+    """A text prompt with its tokens, as Intake.prepare tokenized it ahead of add(); with images
+    or audio, as Intake.media_prompt read it (their positions hold placeholders: media.placeholders)."""
 
     text: str
     tokens: list[int]
@@ -31,18 +31,18 @@ class Prompt:
 
 
 @dataclass(frozen=True)
-class ImagePrompt:
-    """A prompt that shows images (each the bytes of a JPEG, PNG, ... file), for a model loaded
-    with its projector (--mmproj). Each marker in the text (libmtmd's, <__media__>) is the next
-    image; a text without markers gets them all first, as llama-mtmd-cli places them. With
-    --chat the text is the user's message."""
+class MediaPrompt:
+    """A prompt that shows images or plays audio clips (each the bytes of a file: JPEG, PNG, ...;
+    WAV, MP3, FLAC), for a model loaded with a projector that reads them (--mmproj). Each marker
+    in the text (libmtmd's, <__media__>) is the next one; a text without markers gets them all
+    first, as llama-mtmd-cli places them. With --chat the text is the user's message."""
 
     text: str
-    images: tuple[bytes, ...]
+    media: tuple[bytes, ...]
     templated: bool = False  # the text is a whole rendered chat prompt (the server's): not templated again
 
 
-PromptInput = str | list[int] | Prompt | ImagePrompt
+PromptInput = str | list[int] | Prompt | MediaPrompt
 
 
 class Intake:
@@ -65,7 +65,7 @@ class Intake:
         if constraint is not None:
             self.grammars.compile(constraint)
         return [Prompt(p, self.tokenize_prompt(p)) if isinstance(p, str) and p else
-                self.media_prompt(p) if isinstance(p, ImagePrompt) else p for p in prompts]
+                self.media_prompt(p) if isinstance(p, MediaPrompt) else p for p in prompts]
 
     def add(
         self, prompt: PromptInput, params: SamplingParams | None = None, index: int | None = None,
@@ -75,7 +75,7 @@ class Intake:
         params = params or SamplingParams()
         if index is None:
             index, self._next_index = self._next_index, self._next_index + 1
-        if isinstance(prompt, ImagePrompt):
+        if isinstance(prompt, MediaPrompt):
             prompt = self.media_prompt(prompt)
         media = prompt.media if isinstance(prompt, Prompt) else ()
         prompt, tokens = self._tokens(prompt)
@@ -129,11 +129,11 @@ class Intake:
         return prompt, tokens
 
     def _check_media(self, media: tuple[MediaSpan, ...], tokens: list[int], params: SamplingParams) -> None:
-        """Refuse what a prompt with images cannot do here."""
+        """Refuse what a prompt with images or audio cannot do here."""
         if media[-1].end >= len(tokens):
-            raise PromptError("the prompt ends with an image: a prompt must go on with text after its last image (its first token is sampled from that text)")
+            raise PromptError("the prompt ends with an image or a clip: a prompt must go on with text after its last one (its first token is sampled from that text)")
         if params.prompt_logprobs is not None:
-            raise PromptError("prompt_logprobs (echo) with images: an image's positions have no tokens to score")
+            raise PromptError("prompt_logprobs (echo) with images or audio: their positions have no tokens to score")
         n_ubatch = self.runtime.ctx.n_ubatch
         for span in media:
             if span.image.non_causal and span.image.n_tokens > n_ubatch:
@@ -165,21 +165,21 @@ class Intake:
         try:
             return self.add(prompt, params, index, priority=priority, priority_class=priority_class)
         except (PromptError, SamplingError, ConstraintError) as e:
-            prompt = prompt.text if isinstance(prompt, (Prompt, ImagePrompt)) else prompt if isinstance(prompt, str) else ""
+            prompt = prompt.text if isinstance(prompt, (Prompt, MediaPrompt)) else prompt if isinstance(prompt, str) else ""
             return [
                 Sequence(index, prompt, p, [], 0, sample=k, status=Status.FINISHED, finish_reason="error", error=str(e), refused=True)
                 for k, p in enumerate(params.per_sample())
             ]
 
-    def media_prompt(self, shown: ImagePrompt) -> Prompt:
-        """The prompt read by the projector: its text tokens, its images encoded (PromptError
-        for an image that cannot be, or a model without a projector)."""
-        prompt, images = shown.text, list(shown.images)
+    def media_prompt(self, shown: MediaPrompt) -> Prompt:
+        """The prompt read by the projector: its text tokens, its images and clips encoded
+        (PromptError for one that cannot be, or a model without a projector)."""
+        prompt, media = shown.text, list(shown.media)
         projector = self.runtime.projector
         if projector is None:
-            raise PromptError(f"{self.runtime.model.path.name} was loaded without a projector: images need --mmproj (or mmproj in models.toml)")
-        if projector.marker not in prompt:  # as llama-mtmd-cli: the images first
-            prompt = projector.marker * len(images) + prompt
+            raise PromptError(f"{self.runtime.model.path.name} was loaded without a projector: images and audio need --mmproj (or mmproj in models.toml)")
+        if projector.marker not in prompt:  # as llama-mtmd-cli: the media first
+            prompt = projector.marker * len(media) + prompt
         if shown.templated:
             text, add_special = prompt, self.runtime.chat is None or self.runtime.chat.adds_bos(prompt)
         elif self.config.chat:
@@ -187,12 +187,12 @@ class Intake:
             add_special = self.runtime.chat.adds_bos(text)
         else:
             text, add_special = prompt, True
-        tokens, media = token_list(projector.read(text, images, add_special), self.vocab.n_vocab)
-        return Prompt(prompt, tokens, media)
+        tokens, spans = token_list(projector.read(text, media, add_special), self.vocab.n_vocab)
+        return Prompt(prompt, tokens, spans)
 
     def positions(self, prompt: PromptInput) -> list[int]:
-        """BatchEngine.prompt_length's tokens (an image's positions as placeholders)."""
-        if isinstance(prompt, ImagePrompt):
+        """BatchEngine.prompt_length's tokens (an image's or a clip's positions as placeholders)."""
+        if isinstance(prompt, MediaPrompt):
             return self.media_prompt(prompt).tokens
         if isinstance(prompt, Prompt):
             return prompt.tokens

@@ -120,7 +120,7 @@ class RunStats:
     draft_tokens: int = 0  # speculative tokens verified
     draft_accepted: int = 0  # of which the model agreed with
     adapter_switches: int = 0  # steps that decoded another LoRA adapter set than the step before
-    images_read: int = 0  # images decoded into a sequence's memory (each its own llama_decode, beside the step)
+    media_read: int = 0  # images decoded into a sequence's memory (each its own llama_decode, beside the step)
     decodes_ahead: int = 0  # plain steps decoded before the step before them was accepted (overlap)
     first_step_at: float | None = None
     last_step_at: float | None = None
@@ -166,7 +166,7 @@ class RunStats:
             "incomplete_structured": self.incomplete_structured,
             "draft_tokens": self.draft_tokens,
             "adapter_switches": self.adapter_switches,
-            "images_read": self.images_read,
+            "media_read": self.media_read,
             "decodes_ahead": self.decodes_ahead,
             "draft_acceptance_rate": round(self.acceptance_rate, 4),
             "tokens_per_decode": round(self.completion_tokens / self.decode_calls, 3) if self.decode_calls else 0.0,

@@ -211,7 +211,7 @@ class Stepper:
             for seq, span in due:
                 seq.advance(span.image.n_tokens)
                 read += span.image.n_tokens
-                self.stats.images_read += 1
+                self.stats.media_read += 1
                 self.stats.prompt_tokens_evaluated += span.image.n_tokens
                 for follower in [f for f in seq.followers if f.n_shared == seq.n_past]:
                     self._share_prefix(seq, follower, -1, [], [])

@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 from pydantic import TypeAdapter, ValidationError
 
-from ..engine import ImagePrompt, SamplingParams
+from ..engine import MediaPrompt, SamplingParams
 from ..errors import LlamabatchError
 from ..embeddings_format import EMBEDDINGS_URL, EmbeddingRequest
 from ..openai_format import ENDPOINTS, LoraEntry, SamplingFields, validation_message
@@ -56,17 +56,18 @@ class JobLine:
     model: str | None = None  # JSONL: the served model or an adapter's name (vLLM's way)
     lora: tuple[tuple[int, float], ...] | None = None  # JSONL: llama-server's lora field, as pairs
     embedding: EmbeddingRequest | None = None  # texts to embed (a /v1/embeddings line, an "input" line, an embed job's text)
-    images: tuple[Path, ...] = ()  # JSONL: the image files its prompt shows (read when it is submitted)
+    # JSONL: the image and audio files its prompt shows, images first (read when it is submitted)
+    media: tuple[tuple[str, Path], ...] = ()  # ("image" or "audio", the file)
 
-    def engine_prompt(self) -> str | ImagePrompt:
-        """A llamabatch-format line's prompt as the engine takes it: with images, their files
-        read now (LlamabatchError for one that cannot be)."""
-        if not self.images:
+    def engine_prompt(self) -> str | MediaPrompt:
+        """A llamabatch-format line's prompt as the engine takes it: with images or audio, their
+        files read now (LlamabatchError for one that cannot be)."""
+        if not self.media:
             return self.prompt
-        for path in self.images:
+        for kind, path in self.media:
             if not path.is_file():
-                raise LlamabatchError(f"image file not found: {path}")
-        return ImagePrompt(self.prompt, tuple(path.read_bytes() for path in self.images))
+                raise LlamabatchError(f"{kind} file not found: {path}")
+        return MediaPrompt(self.prompt, tuple(path.read_bytes() for _, path in self.media))
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ class LineParser:
         prompt = obj.get("prompt")
         if not isinstance(prompt, str):
             return BadLine(id_, n, digest, "expected an object with a string 'prompt'")
-        unknown = set(obj) - _SAMPLING_FIELDS - {"prompt", "id", "model", "lora", "image"}
+        unknown = set(obj) - _SAMPLING_FIELDS - {"prompt", "id", "model", "lora", *_MEDIA_FIELDS}
         if unknown:
             return BadLine(id_, n, digest, f"unknown field {sorted(unknown)[0]!r}: llamabatch does not support it", status=400)
         model = obj.get("model")
@@ -248,15 +249,21 @@ class LineParser:
             return BadLine(id_, n, digest, f"lora: {validation_message(e)}", status=400)
         except LlamabatchError as e:
             return BadLine(id_, n, digest, str(e), status=400)
-        images = obj.get("image", [])
-        images = [images] if isinstance(images, str) else images
-        if not isinstance(images, list) or not all(isinstance(i, str) and i for i in images):
-            return BadLine(id_, n, digest, "image must be a file's path (or file:// URL), or a list of them", status=400)
-        return JobLine(id_, n, digest, prompt=prompt, params=params, model=model, lora=lora, images=tuple(self._path(i) for i in images))
+        media = []
+        for field in _MEDIA_FIELDS:
+            files = obj.get(field, [])
+            files = [files] if isinstance(files, str) else files
+            if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
+                return BadLine(id_, n, digest, f"{field} must be a file's path (or file:// URL), or a list of them", status=400)
+            media += [(field, self._path(f)) for f in files]
+        return JobLine(id_, n, digest, prompt=prompt, params=params, model=model, lora=lora, media=tuple(media))
 
     def _path(self, text: str) -> Path:
         path = Path(text.removeprefix("file://")).expanduser()
         return path if path.is_absolute() or self.folder is None else self.folder / path
+
+
+_MEDIA_FIELDS = ("image", "audio")  # a JSON line's files for its prompt, in this order
 
 
 def jsonl_params(base: SamplingParams, fields_: dict) -> SamplingParams:

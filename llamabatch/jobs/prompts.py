@@ -8,14 +8,14 @@ import json
 from contextlib import closing
 from pathlib import Path
 
-from ..engine import ImagePrompt, SamplingParams
+from ..engine import MediaPrompt, SamplingParams
 from ..errors import LlamabatchError
 from .inputs import BadLine, Format, RequestReader, numbered_lines
 
 
 def gather_prompts(
     prompts: list[str], prompts_file: Path | None, base: SamplingParams
-) -> tuple[list[str | ImagePrompt], list[SamplingParams]]:
+) -> tuple[list[str | MediaPrompt], list[SamplingParams]]:
     """-p prompts first, then the file's; each with `base` or the file's own sampling fields."""
     params = [base] * len(prompts)
     if prompts_file is not None:
@@ -26,7 +26,7 @@ def gather_prompts(
     return prompts, params
 
 
-def read_prompts_file(path: Path, base: SamplingParams) -> tuple[list[str | ImagePrompt], list[SamplingParams]]:
+def read_prompts_file(path: Path, base: SamplingParams) -> tuple[list[str | MediaPrompt], list[SamplingParams]]:
     """Every prompt of the file; a bad line stops `run` before anything is decoded."""
     reader = RequestReader(path, base)
     if reader.format is Format.OPENAI:

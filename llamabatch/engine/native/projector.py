@@ -1,5 +1,5 @@
-"""The owner of libmtmd's handle, the projector that reads images into embeddings the text model
-takes; and their decoding into sequences' positions, through a Batch of embedding rows."""
+"""The owner of libmtmd's handle, the projector that reads images and audio clips into embeddings
+the text model takes; and their decoding into sequences' positions, through a Batch of embedding rows."""
 
 from __future__ import annotations
 
@@ -22,19 +22,29 @@ from ...errors import ModelError, PromptError
 from . import backend
 from .handles import Batch, Context, Model, _Owner
 
-# Where a prompt's text shows its next image (libmtmd's default marker, set on the projector).
-IMAGE_MARKER = "<__media__>"
+# Where a prompt's text shows its next image or clip (libmtmd's default marker, set on the projector).
+MEDIA_MARKER = "<__media__>"
 
-# Encoded images kept for the next prompt that shows the same one (the same photo asked about
-# by several questions is encoded once): a few of a 7B model's 576-token images.
+# Encoded images and clips kept for the next prompt that shows the same one (the same photo asked
+# about by several questions is encoded once): a few of a 7B model's 576-token images.
 ENCODED_CACHE_BYTES = 64 << 20
+
+
+def is_audio(data: bytes) -> bool:
+    """Whether libmtmd reads these bytes as audio (WAV, MP3, FLAC), as its helper tells them
+    from images (mtmd-helper.cpp's is_audio_file)."""
+    if len(data) < 12:
+        return False
+    wav = data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+    mp3 = data[:3] == b"ID3" or (data[0] == 0xFF and data[1] & 0xE0 == 0xE0)
+    return wav or mp3 or data[:4] == b"fLaC"
 
 
 @dataclass(frozen=True, eq=False)
 class Encoded:
-    """One image as the text model takes it: a row of embeddings per position it fills."""
+    """One image or audio clip as the text model takes it: a row of embeddings per position it fills."""
 
-    key: str  # libmtmd's id for it: a hash of its pixels
+    key: str  # libmtmd's id for it: a hash of its file's bytes
     embeddings: np.ndarray  # (n_tokens, n_embd) float32
     non_causal: bool  # its positions attend to each other both ways (Gemma 3's images)
 
@@ -47,8 +57,9 @@ Piece = list[int] | Encoded  # a prompt read by the projector: text tokens and i
 
 
 class Projector(_Owner):
-    """A multimodal projector (an mmproj GGUF) for one text model: prompts with images become
-    text tokens and encoded images. Encoding takes a lock: libmtmd's context runs one at a time."""
+    """A multimodal projector (an mmproj GGUF) for one text model: prompts with images or audio
+    clips become text tokens and encoded media. Encoding takes a lock: libmtmd's context runs one
+    at a time."""
 
     kind = "projector"
 
@@ -60,7 +71,7 @@ class Projector(_Owner):
         backend.route_log(mtmd.mtmd_helper_log_set)
         params = mtmd.mtmd_context_params_default()
         params.use_gpu, params.n_threads, params.print_timings = offload, n_threads, False
-        params.media_marker = IMAGE_MARKER.encode()
+        params.media_marker = MEDIA_MARKER.encode()
         with backend.log.capture() as log:
             handle = mtmd.mtmd_init_from_file(str(path).encode(), model.handle, params)
         if not handle:
@@ -72,24 +83,32 @@ class Projector(_Owner):
             raise ModelError(f"the projector {path.name} places images with M-RoPE (Qwen2-VL and its kin): llamabatch does not decode those yet")
         self.path = path
         self.vision = bool(mtmd.mtmd_support_vision(handle))
-        self.marker = IMAGE_MARKER
+        self.audio = bool(mtmd.mtmd_support_audio(handle))
+        self.marker = MEDIA_MARKER
         self.n_embd = llama_cpp.llama_model_n_embd_inp(model.handle)
-        self.n_encoded = 0  # images encoded (a cached one is not encoded again)
+        self.n_encoded = 0  # images and clips encoded (a cached one is not encoded again)
         self._lock = threading.Lock()
         self._encoded: OrderedDict[str, Encoded] = OrderedDict()
 
     def _free(self, handle) -> None:
         mtmd.mtmd_free(handle)
 
-    def read(self, text: str, images: list[bytes], add_special: bool) -> list[Piece]:
-        """The prompt's text tokens and its images, encoded, in order: each marker in `text` is
-        the next image. An image libmtmd cannot decode is refused (PromptError), naming which."""
-        if not self.vision:
-            raise PromptError(f"the projector {self.path.name} reads no images")
-        if text.count(self.marker) != len(images):
-            raise PromptError(f"the prompt has {text.count(self.marker)} image markers for {len(images)} images (each {self.marker} is the next image)")
+    def read(self, text: str, media: list[bytes], add_special: bool) -> list[Piece]:
+        """The prompt's text tokens and its images and clips, encoded, in order: each marker in
+        `text` is the next one. One libmtmd cannot decode, or this projector does not read, is
+        refused (PromptError), naming which."""
+        if text.count(self.marker) != len(media):
+            raise PromptError(f"the prompt has {text.count(self.marker)} media markers for {len(media)} images and clips (each {self.marker} is the next one)")
+        kinds = [self._kind(data) for data in media]
         with self._lock:
-            bitmaps = [self._bitmap(data, k) for k, data in enumerate(images)]
+            bitmaps = []
+            try:
+                for k, (data, kind) in enumerate(zip(media, kinds)):
+                    bitmaps.append(self._bitmap(data, f"{kind} {kinds[: k + 1].count(kind)}"))
+            except PromptError:
+                for bitmap in bitmaps:
+                    mtmd.mtmd_bitmap_free(bitmap)
+                raise
             chunks = mtmd.mtmd_input_chunks_init()
             try:
                 data = text.encode()
@@ -97,19 +116,30 @@ class Projector(_Owner):
                 array = (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
                 code = mtmd.mtmd_tokenize(self.handle, chunks, ctypes.byref(words), array, len(bitmaps))
                 if code != 0:
-                    raise PromptError(f"the projector could not read the prompt with its images (libmtmd's mtmd_tokenize returned {code})")
+                    raise PromptError(f"the projector could not read the prompt with its images and clips (libmtmd's mtmd_tokenize returned {code})")
                 return [self._piece(mtmd.mtmd_input_chunks_get(chunks, i)) for i in range(mtmd.mtmd_input_chunks_size(chunks))]
             finally:
                 mtmd.mtmd_input_chunks_free(chunks)
                 for bitmap in bitmaps:
                     mtmd.mtmd_bitmap_free(bitmap)
 
-    def _bitmap(self, data: bytes, k: int):
+    def _kind(self, data: bytes) -> str:
+        """"audio clip" or "image", as libmtmd will read it; PromptError where this projector reads no such thing."""
+        if is_audio(data):
+            if not self.audio:
+                raise PromptError(f"the projector {self.path.name} reads no audio (an audio clip needs a projector that takes audio)")
+            return "audio clip"
+        if not self.vision:
+            raise PromptError(f"the projector {self.path.name} reads no images (it takes audio: WAV, MP3, FLAC)")
+        return "image"
+
+    def _bitmap(self, data: bytes, name: str):
         buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         with backend.log.capture():
             bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.handle, buffer, len(data), False)
         if not bitmap:
-            raise PromptError(f"image {k + 1}: not an image libmtmd can decode (JPEG, PNG, BMP, GIF, ...), {len(data)} bytes")
+            what = "audio libmtmd can decode (WAV, MP3, FLAC)" if name.startswith("audio") else "an image libmtmd can decode (JPEG, PNG, BMP, GIF, ...)"
+            raise PromptError(f"{name}: not {what}, {len(data)} bytes")
         return bitmap
 
     def _piece(self, chunk) -> Piece:
@@ -118,8 +148,6 @@ class Projector(_Owner):
             n = ctypes.c_size_t()
             tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
             return tokens[: n.value]
-        if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-            raise PromptError("audio input is not supported yet")
         key = mtmd.mtmd_input_chunk_get_id(chunk).decode()
         found = self._encoded.get(key)
         if found is not None:
@@ -129,7 +157,8 @@ class Projector(_Owner):
         with backend.log.capture():
             code = mtmd.mtmd_encode_chunk(self.handle, chunk)
         if code != 0:
-            raise PromptError(f"the projector could not encode an image (libmtmd's mtmd_encode_chunk returned {code})")
+            what = "a clip" if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO else "an image"
+            raise PromptError(f"the projector could not encode {what} (libmtmd's mtmd_encode_chunk returned {code})")
         rows = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(self.handle), shape=(n_tokens, self.n_embd)).copy()
         encoded = Encoded(key, rows, bool(mtmd.mtmd_decode_use_non_causal(self.handle, chunk)))
         self.n_encoded += 1
