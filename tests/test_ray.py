@@ -137,3 +137,22 @@ def test_an_actor_killed_mid_job_loses_no_row_and_writes_none_twice(tiny_model, 
     assert set(written) == {f"req-{i}" for i in range(800)} and max(written.values()) == 1
     assert summary.done == 800 and summary.failed == 1
     print(f"killed actor pid {victims[0].pid} after {killed_after} lines; the job wrote {len(written)} ids once each")
+
+
+def test_a_line_s_relative_image_path_starts_at_the_job_file_s_folder(tiny_model, tmp_path):
+    """An actor runs in Ray's working folder, not the job file's: a line's "image" path relative
+    to the job file is read from there all the same, as `llamabatch batch` reads it."""
+    from test_images import RED
+    from tiny_model import write_tiny_projector
+
+    projector = write_tiny_projector(tmp_path / "mmproj.gguf")
+    (tmp_path / "job" / "photos").mkdir(parents=True)
+    (tmp_path / "job" / "photos" / "red.png").write_bytes(RED)
+    source = tmp_path / "job" / "in.jsonl"
+    source.write_text(json.dumps({"id": "red", "prompt": "what is it", "image": "photos/red.png", "max_tokens": 4}) + "\n")
+    job = ray_stage.RayBatchJob(engine_options(tiny_model, mmproj=str(projector), n_parallel=2), source, tmp_path / "ray.jsonl",
+                                replicas=1, threads=1, base=GREEDY)
+    summary = job.run()
+    errors = tmp_path / "ray.jsonl.errors.jsonl"
+    assert (summary.done, summary.failed) == (1, 0), errors.read_text() if errors.exists() else ""
+    assert ids(tmp_path / "ray.jsonl") == Counter({"red": 1})

@@ -86,9 +86,11 @@ class BatchPredictor:
     and the answers kept between calls hold whichever way Ray runs them.
     """
 
-    def __init__(self, format: str, engine: dict, base: dict | None = None, incomplete_errors: bool = False) -> None:
+    def __init__(self, format: str, engine: dict, base: dict | None = None, incomplete_errors: bool = False,
+                 folder: str | None = None) -> None:
         self.engine = BatchEngine(**engine)
-        self.parser = LineParser(Format(format), SamplingParams(**base) if base else SamplingParams())
+        # `folder`: the job file's, absolute, where a line's relative image and audio paths start
+        self.parser = LineParser(Format(format), SamplingParams(**base) if base else SamplingParams(), folder=Path(folder) if folder else None)
         self._pending: deque[JobLine | BadLine] = deque()  # parsed, not yet handed to the engine
         self._answered: dict[str, Outcome] = {}  # finished, not yet taken by their batch
         self._driving = threading.Lock()
@@ -195,7 +197,8 @@ class RayBatchJob(Job):
             BatchPredictor,
             fn_constructor_kwargs={"format": self.format.value, "engine": engine,
                                    "base": None if self.format is Format.OPENAI else asdict(self.base),
-                                   "incomplete_errors": self.incomplete_errors},
+                                   "incomplete_errors": self.incomplete_errors,
+                                   "folder": None if self.input == STDIN else str(Path(self.input).resolve().parent)},
             batch_size=ROWS_PER_SLOT * self.parallel,
             # Two tasks an actor holds, batching beside the call in progress; the calls themselves
             # run one at a time (Ray Data's default for a plain method). Letting them overlap, with
