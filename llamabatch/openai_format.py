@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import secrets
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
@@ -280,15 +280,20 @@ class TextPart(Body):
     text: Text
 
 
+Fetch = Callable[[str], bytes]  # an http(s) URL's file (remote_media.fetch), where the server fetches them
+
+
 class ImageURL(Body):
-    url: StrictStr  # a data: URL (base64); remote images are not fetched
+    url: StrictStr  # a data: URL (base64), or an http(s) one where the server fetches them
     detail: Literal["auto", "low", "high"] | None = None  # the projector decides an image's positions
 
     @field_validator("url")
     @classmethod
     def _inline(cls, url: str) -> str:
+        if url.startswith(("http://", "https://")):
+            return url
         if not url.startswith("data:"):
-            raise ValueError("remote image URLs are not fetched: send the image in a data: URL (data:image/png;base64,...)")
+            raise ValueError("an image URL is a data: URL (data:image/png;base64,...), or an http(s) one where the server fetches them")
         head, _, data = url.partition(",")
         try:
             if not head.endswith(";base64") or not base64.b64decode(data, validate=True):
@@ -297,7 +302,12 @@ class ImageURL(Body):
             raise ValueError("an image's data: URL must hold base64 data (data:image/png;base64,...)") from None
         return url
 
-    def data(self) -> bytes:
+    def data(self, fetch: Fetch | None) -> bytes:
+        if not self.url.startswith("data:"):
+            if fetch is None:
+                raise PromptError("remote image URLs are not fetched here: send the image in a data: URL (data:image/png;base64,...); "
+                                  "serve fetches them with --allow-remote-media")
+            return fetch(self.url)
         return base64.b64decode(self.url.partition(",")[2])
 
 
@@ -305,8 +315,8 @@ class ImagePart(Body):
     type: Literal["image_url"]
     image_url: ImageURL
 
-    def data(self) -> bytes:
-        return self.image_url.data()
+    def data(self, fetch: Fetch | None) -> bytes:
+        return self.image_url.data(fetch)
 
 
 class InputAudio(Body):
@@ -328,7 +338,7 @@ class AudioPart(Body):
     type: Literal["input_audio"]
     input_audio: InputAudio
 
-    def data(self) -> bytes:
+    def data(self, fetch: Fetch | None) -> bytes:
         return base64.b64decode(self.input_audio.data)
 
 
@@ -382,10 +392,10 @@ class ChatMessage(Body):
             raise ValueError(f"tool_calls belong to assistant messages, not {self.role} ones")
         return self
 
-    @property
-    def media(self) -> list[bytes]:
-        """Its images and audio clips, in order (each shown in the rendered text by MEDIA_MARKER)."""
-        return [p.data() for p in self.content if not isinstance(p, TextPart)] if isinstance(self.content, list) else []
+    def media(self, fetch: Fetch | None) -> list[bytes]:
+        """Its images and audio clips, in order (each shown in the rendered text by MEDIA_MARKER);
+        those named by http(s) URL fetched with `fetch` (None: they are refused)."""
+        return [p.data(fetch) for p in self.content if not isinstance(p, TextPart)] if isinstance(self.content, list) else []
 
     def rendered(self) -> dict:
         """The message as chat templates read it: parts joined (an image or a clip as
@@ -504,11 +514,12 @@ class EngineInputs:
     answer: Answer | None = None  # chat: tool calls and reasoning to parse out of the text
 
 
-def engine_inputs(body: SamplingFields, engine: BatchEngine, reasoning_budget: int = -1) -> EngineInputs:
+def engine_inputs(body: SamplingFields, engine: BatchEngine, reasoning_budget: int = -1, fetch: Fetch | None = None) -> EngineInputs:
     """The prompts and sampling parameters the engine runs for a request body (`reasoning_budget`:
-    the default of chat requests that give none). Raises a LlamabatchError naming the problem
-    (empty prompt, value out of range, no chat template, messages the template refuses, an
-    unknown model: UnknownModel)."""
+    the default of chat requests that give none; `fetch`: how images named by http(s) URL are
+    had, None where they are refused). Raises a LlamabatchError naming the problem (empty prompt,
+    value out of range, no chat template, messages the template refuses, an image that cannot be
+    fetched, an unknown model: UnknownModel)."""
     params = request_params(body, engine)
     if isinstance(body, ChatRequest):
         tools = body.tool_use()
@@ -517,7 +528,7 @@ def engine_inputs(body: SamplingFields, engine: BatchEngine, reasoning_budget: i
         budget = reasoning_budget if body.reasoning_budget is None else body.reasoning_budget
         prompt = engine.chat_prompt([m.rendered() for m in body.messages], tools, body.chat_template_kwargs, budget)
         params = replace(params, lark=prompt.lark, thinking_budget=prompt.thinking_budget, shown_tokens=prompt.shown_tokens)
-        media = tuple(item for m in body.messages for item in m.media)
+        media = tuple(item for m in body.messages for item in m.media(fetch))
         if media:  # the projector reads the rendered text with them
             return EngineInputs([MediaPrompt(prompt.text, media, templated=True)], params, prompt.answer)
         return EngineInputs([prompt.tokens], params, prompt.answer)  # ids: an engine with --chat must not template it again

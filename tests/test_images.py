@@ -322,3 +322,52 @@ def test_sampled_samples_of_one_image_share_it_and_repeat_with_their_seed(tiny_m
 
     (texts, read), (again, _) = draw(), draw()
     assert read == 1 and texts == again
+
+
+@pytest.fixture(scope="module")
+def files_server(tmp_path_factory):
+    """A plain HTTP server on 127.0.0.1 serving a folder: red.png, and big.png (a PNG of 50 kB)."""
+    import functools
+    import http.server
+    import threading
+
+    folder = tmp_path_factory.mktemp("www")
+    (folder / "red.png").write_bytes(RED)
+    (folder / "big.png").write_bytes(png((10, 10, 200), size=(400, 300)) + b"\0" * 50_000)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_a_remote_image_is_fetched_where_the_server_allows_it(serve, projector, tiny_model, files_server, monkeypatch):
+    """serve --allow-remote-media: an image_url (OpenAI) and a url source (Anthropic) naming an
+    http URL answer as the same image inline does; a 404 and a file over the size limit are 400s
+    naming the URL; without the flag (the other servers here), remote URLs are refused."""
+    import httpx
+    from anthropic import Anthropic
+    from openai import OpenAI
+
+    from llamabatch import remote_media
+
+    base = serve(n_parallel=2, engine_extra={"mmproj": projector}, allow_remote_media=True)
+    client = OpenAI(base_url=f"{base}/v1", api_key="none")
+
+    def ask(url: str):
+        content = [{"type": "text", "text": "what is it"}, {"type": "image_url", "image_url": {"url": url}}]
+        return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0)
+
+    fetched, inline = ask(f"{files_server}/red.png"), ask(data_url(RED))
+    assert fetched.choices[0].message.content == inline.choices[0].message.content
+    assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens
+    message = Anthropic(base_url=base, api_key="none").messages.create(
+        model="tiny", max_tokens=8, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "what is it"},
+                                               {"type": "image", "source": {"type": "url", "url": f"{files_server}/red.png"}}]}])
+    assert message.content[0].text == inline.choices[0].message.content
+    monkeypatch.setattr(remote_media, "MAX_BYTES", 20_000)
+    for path, why in (("missing.png", "HTTP 404"), ("big.png", "larger than")):
+        content = [{"type": "text", "text": "what"}, {"type": "image_url", "image_url": {"url": f"{files_server}/{path}"}}]
+        answer = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={"messages": [{"role": "user", "content": content}], "max_tokens": 4})
+        assert answer.status_code == 400 and f"fetching {files_server}/{path}: {why}" in answer.text, answer.text

@@ -77,7 +77,7 @@ def test_chat_content_parts_roles_and_max_completion_tokens(client, base):
     image = httpx.post(f"{base}/v1/chat/completions", timeout=10, json={"messages": [{"role": "user", "content": [
         {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
     assert image.status_code == 400
-    assert "content part 1: image_url.url: remote image URLs are not fetched" in image.json()["error"]["message"]
+    assert "remote image URLs are not fetched here" in image.json()["error"]["message"]
     inline = httpx.post(f"{base}/v1/chat/completions", timeout=10, json={"messages": [{"role": "user", "content": [
         {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]})
     assert inline.status_code == 400 and "images and audio need --mmproj" in inline.json()["error"]["message"]  # a model without a projector

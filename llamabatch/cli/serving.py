@@ -102,6 +102,8 @@ def serve(
     chat_template: ChatTemplateOpt = None,
     mmproj: MmprojOpt = None,
     mmproj_offload: MmprojOffloadOpt = None,
+    allow_remote_media: Annotated[bool, typer.Option(
+        help="Fetch images that requests name by http(s) URL (20 MiB at most, 10 s); without it they must come in data: URLs.")] = False,
     reasoning_budget: Annotated[int, typer.Option(
         "--reasoning-budget", help="A chat answer's thought in tokens at most, then closed for it (-1: no limit, 0: no thinking); a request's reasoning_budget overrides it.")] = -1,
     verbose: VerboseOpt = False,
@@ -158,6 +160,7 @@ def serve(
                               keepalive=sse_keepalive or None, **resume,
                               shutdown_timeout=shutdown_timeout,
                               pooling=parse_pooling(pooling), max_upload=max_upload_mb << 20, reasoning_budget=reasoning_budget, lora_dir=lora_dir,
+                              allow_remote_media=allow_remote_media,
                               data_dir=None if replicas is not None else data_dir or default_data_dir(),
                               models=served if several else {}, max_loaded=max_loaded, idle_unload=idle_unload,
                               memory=memory_budget(memory) if several else None)

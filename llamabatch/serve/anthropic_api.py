@@ -59,18 +59,25 @@ class TextBlock(Body):
 
 
 class ImageSource(Body):
-    type: Literal["base64"]  # remote images ("url") are not fetched
+    type: Literal["base64"]
     media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
     data: StrictStr
 
 
+class URLImageSource(Body):
+    type: Literal["url"]  # fetched where the server allows it (--allow-remote-media)
+    url: StrictStr
+
+
 class ImageBlock(Body):
     type: Literal["image"]
-    source: ImageSource
+    source: ImageSource | URLImageSource
     cache_control: CacheControl | None = None
 
     def part(self) -> dict:
         """The image as an OpenAI content part."""
+        if isinstance(self.source, URLImageSource):
+            return {"type": "image_url", "image_url": {"url": self.source.url}}
         return {"type": "image_url", "image_url": {"url": f"data:{self.source.media_type};base64,{self.source.data}"}}
 
 
@@ -263,7 +270,7 @@ def anthropic_routes(serving: Serving, authorized, errors, reasoning_budget: int
     async def messages(body: MessagesRequest, http: HttpRequest):
         def translate(engine: BatchEngine) -> Translated:
             chat = body.chat_request()
-            return Translated(chat, engine_inputs(chat, engine, reasoning_budget))
+            return Translated(chat, engine_inputs(chat, engine, reasoning_budget, serving.fetch))
 
         return await answer(serving, body.model, body.stream, http, translate, _message, _events)
 
@@ -274,7 +281,7 @@ def anthropic_routes(serving: Serving, authorized, errors, reasoning_budget: int
 
             def count() -> int:
                 with refusals():
-                    return engine.prompt_length(engine_inputs(body.chat(), engine, reasoning_budget).prompts[0])
+                    return engine.prompt_length(engine_inputs(body.chat(), engine, reasoning_budget, serving.fetch).prompts[0])
 
             return {"input_tokens": await asyncio.to_thread(count)}
 

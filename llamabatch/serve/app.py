@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..catalog import Catalog
 from ..engine import BatchEngine
 from ..engine.embedding import Pooling
+from .. import remote_media
 from ..openai_format import error_body, validation_message
 from .access import Access
 from .adapters_api import adapter_routes
@@ -59,6 +60,7 @@ class ServerSettings:
     max_upload: int = 200 << 20  # bytes a file upload may have (413 beyond)
     lora_dir: Path | None = None  # LoRA adapters may be loaded at run time from files under it (None: not at all)
     reasoning_budget: int = -1  # a chat request's thought in tokens at most, unless it says (-1: no limit, 0: no thinking)
+    allow_remote_media: bool = False  # images named by http(s) URL are fetched (remote_media), else refused
     # Several models (serve.models): each one's BatchEngine keyword arguments by name, `engine`'s
     # among them; loaded on demand, within these limits.
     models: dict[str, dict] = field(default_factory=dict)
@@ -83,7 +85,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
                        idle_unload=settings.idle_unload)
     metrics = Metrics(models.workers)
     metrics.watch_states(models.models.values())
-    serving = Serving(models, metrics, settings.request_timeout, settings.keepalive, Replays(settings.resume_keep, settings.resume_events))
+    serving = Serving(models, metrics, settings.request_timeout, settings.keepalive, Replays(settings.resume_keep, settings.resume_events),
+                      remote_media.fetch if settings.allow_remote_media else None)
     store = Store(settings.data_dir) if settings.data_dir is not None else None
 
     @asynccontextmanager

@@ -72,7 +72,7 @@ def openai_routes(serving: Serving, authorized, errors, generation: dict, reason
 
 async def _answer(serving: Serving, body: CompletionRequest | ChatRequest, kind: str, http: HttpRequest, reasoning_budget: int, chunks):
     def translate(engine: BatchEngine) -> Translated:
-        return Translated(body, engine_inputs(body, engine, reasoning_budget), kind, body.shown())
+        return Translated(body, engine_inputs(body, engine, reasoning_budget, serving.fetch), kind, body.shown())
 
     def whole(reply: Reply) -> dict:
         return response_body(reply.kind, reply.id, reply.created, reply.model, reply.submission.sequences, reply.vocab, reply.shown, reply.answer)

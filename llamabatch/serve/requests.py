@@ -22,7 +22,7 @@ from ..engine import BatchEngine, SamplingParams
 from ..engine.batch_engine import AdapterBusy
 from ..engine.embedding import Pooling
 from ..errors import DecodeError, EngineBroken, LlamabatchError
-from ..openai_format import failure, refusal_status, validation_message
+from ..openai_format import Fetch, failure, refusal_status, validation_message
 from .metrics import Metrics
 from .models import ModelBusy, ModelPool, ModelUnavailable, Served
 from .replay import RESUME_EVENTS, RESUME_KEEP_S, Kept, Replays
@@ -33,11 +33,13 @@ from .worker import EngineUnavailable, EngineWorker, PoolingSubmission, QueueFul
 
 class Serving:
     def __init__(self, models: ModelPool, metrics: Metrics, timeout: float, keepalive: float | None = None,
-                 replays: Replays | None = None) -> None:
+                 replays: Replays | None = None, fetch: Fetch | None = None) -> None:
         """`keepalive`: seconds of silence after which a stream sends an SSE comment (None: never);
-        `replays`: the streams that outlive their connection."""
+        `replays`: the streams that outlive their connection; `fetch`: how images requests name
+        by http(s) URL are had (remote_media.fetch; None: such requests are refused)."""
         self.models, self.metrics, self.timeout, self.keepalive = models, metrics, timeout, keepalive
         self.replays = replays or Replays(RESUME_KEEP_S, RESUME_EVENTS)
+        self.fetch = fetch
 
     # -- the model a request names ---------------------------------------------------------
 

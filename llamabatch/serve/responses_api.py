@@ -41,7 +41,7 @@ class InputText(Body):
 
 class InputImage(Body):
     type: Literal["input_image"]
-    image_url: StrictStr  # a data: URL (remote images are not fetched)
+    image_url: StrictStr  # a data: URL, or an http(s) one where the server fetches them
     detail: Literal["auto", "low", "high"] | None = None
 
     def part(self) -> dict:
@@ -278,7 +278,7 @@ def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int
                     raise LlamabatchError("previous_response_id: this server keeps no responses (it has no --data-dir)")
                 earlier = store.response(body.previous_response_id)[1]
             chat = body.chat_request(earlier)
-            return Translated(chat, engine_inputs(chat, engine, reasoning_budget))
+            return Translated(chat, engine_inputs(chat, engine, reasoning_budget, serving.fetch))
 
         async def whole(reply: Reply) -> dict:
             seq = reply.submission.sequences[0]
