@@ -371,3 +371,20 @@ def test_a_remote_image_is_fetched_where_the_server_allows_it(serve, projector, 
         content = [{"type": "text", "text": "what"}, {"type": "image_url", "image_url": {"url": f"{files_server}/{path}"}}]
         answer = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={"messages": [{"role": "user", "content": content}], "max_tokens": 4})
         assert answer.status_code == 400 and f"fetching {files_server}/{path}: {why}" in answer.text, answer.text
+
+
+def test_ngram_drafts_beside_images_give_the_same_tokens_and_stop_before_an_image(tiny_model, projector):
+    """--speculative ngram with images: a draft never runs into an image's positions (their ids
+    are above the vocabulary), and greedy answers are those decoded without drafts."""
+    from llamabatch.engine.speculative.drafters import NgramDrafter
+
+    assert NgramDrafter(n_vocab=100)._tokens_only([5, 6, 150, 151, 7]) == [5, 6]
+    prompts = [MediaPrompt("say it again and again: " + MARKER + " a red thing, a red thing, a red", (RED,)),
+               MediaPrompt(MARKER + " and " + MARKER + " one two three, one two three, one", (GREEN, RED))]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    answers = {}
+    for mode in ("off", "ngram"):
+        with BatchEngine(tiny_model, mmproj=projector, n_parallel=2, n_ctx=2048, speculative=mode) as engine:
+            answers[mode] = [r.token_ids for r in engine.generate(prompts, params)]
+            drafted = engine.stats.draft_tokens
+    assert answers["ngram"] == answers["off"] and drafted > 0

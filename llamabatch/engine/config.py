@@ -194,8 +194,8 @@ class EngineConfig:
             yield "--speculative draft needs --draft-model NAME|PATH"
         if self.draft_model and self.speculative != "draft":
             yield f"--draft-model drafts with --speculative draft, not {self.speculative!r}"
-        if self.mmproj and self.speculative != "off":
-            yield "--speculative with --mmproj: speculative decoding of prompts with images is not supported yet"
+        if self.mmproj and self.speculative == "draft":
+            yield "--speculative draft with --mmproj: a draft model reads no images or audio (--speculative ngram drafts from the prompt's text)"
         if self.deterministic and self.speculative != "off":
             yield "--deterministic decodes one token per sequence a step: drop --speculative"
         if self.overlap not in ("auto", "on", "off"):

@@ -42,12 +42,19 @@ class Drafter(Protocol):
 
 
 class NgramDrafter:
-    """Drafts by prompt lookup: no model, no decode."""
+    """Drafts by prompt lookup: no model, no decode. A draft stops before an image's or a clip's
+    positions (their ids, media.placeholders, are above the vocabulary: no token to decode)."""
 
     prefill_seconds = 0.0
 
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+
     def propose(self, sequences: list[Sequence], lengths: list[int]) -> list[list[int]]:
-        return [s.drafting.ngrams.propose(s.tokens, k) if k > 0 else [] for s, k in zip(sequences, lengths)]
+        return [self._tokens_only(s.drafting.ngrams.propose(s.tokens, k)) if k > 0 else [] for s, k in zip(sequences, lengths)]
+
+    def _tokens_only(self, draft: list[int]) -> list[int]:
+        return draft[: next((i for i, t in enumerate(draft) if t >= self.n_vocab), len(draft))]
 
     def close(self) -> None:
         pass

@@ -33,7 +33,7 @@ class Speculator:
     def for_config(cls, cfg: EngineConfig, vocab: Vocab, n_ctx: int, draft_path: Path | None) -> Speculator | None:
         """The speculator cfg asks for (None: speculation off)."""
         if cfg.speculative == "ngram":
-            return cls(NgramDrafter(), cfg.draft_max)
+            return cls(NgramDrafter(vocab.n_vocab), cfg.draft_max)
         if cfg.speculative == "draft":
             drafter = DraftModel(draft_path, vocab, n_ctx=n_ctx, n_batch=cfg.n_batch, n_seq_max=cfg.n_parallel,
                                  n_threads=cfg.n_threads, gpu_layers=cfg.gpu_layers)
