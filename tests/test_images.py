@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from llamabatch.engine import BatchEngine, MediaPrompt, SamplingParams
+from llamabatch.engine import BatchEngine, MediaPrompt, SamplingParams, Status
 from llamabatch.errors import ModelError
 from llamabatch.measure.sweep import native_tool
 from conftest import native_built
@@ -388,3 +388,32 @@ def test_ngram_drafts_beside_images_give_the_same_tokens_and_stop_before_an_imag
             answers[mode] = [r.token_ids for r in engine.generate(prompts, params)]
             drafted = engine.stats.draft_tokens
     assert answers["ngram"] == answers["off"] and drafted > 0
+
+
+def test_beside_decoding_streams_a_large_image_is_read_in_parts_within_the_step_budget(tiny_model, tmp_path):
+    """With the step budget on and streams decoding, an image attended one way is read a part a
+    step (the budget's prompt tokens, as a prompt would be): every stream gets its token every
+    step, and the answer is the one the image read whole gives."""
+    from llamabatch.engine.scheduling.budget import MIN_TOKENS, PROBE_TOKENS
+
+    big = write_tiny_projector(tmp_path / "big-mmproj.gguf", image_size=112)  # 64 positions
+    question = MediaPrompt("what is it", (RED,))
+    with BatchEngine(tiny_model, mmproj=big, n_parallel=4, n_ctx=4096) as engine:
+        (whole,) = engine.generate([question], greedy(8))
+    with BatchEngine(tiny_model, mmproj=big, n_parallel=4, n_ctx=4096, step_target=1e-6) as engine:
+        streams = engine.submit(["one stream", "another stream"], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        for _ in range(5):  # their prompts, then decode steps alone (what a decode step costs)
+            engine.step()
+        (reader,) = engine.submit([question], greedy(8))
+        read = []
+        while reader.t_first_token is None:
+            before = (reader.n_past, [s.n_generated for s in streams])
+            engine.step()
+            span = reader.media[0]
+            read.append(min(max(reader.n_past, span.start), span.end) - min(max(before[0], span.start), span.end))  # the image's positions
+            assert [s.n_generated for s in streams] == [n + 1 for n in before[1]]  # no stream stalls
+        while reader.status is not Status.FINISHED:
+            engine.step()
+    parts = [n for n in read if n]
+    assert sum(parts) == 64 and len(parts) >= 3 and all(n <= max(PROBE_TOKENS, MIN_TOKENS) for n in parts)
+    assert reader.result().text == whole.text

@@ -165,14 +165,16 @@ class Sequence:
         return self.stream.text
 
     def media_at(self) -> MediaSpan | None:
-        """The image its next position starts, if one does."""
-        return next((span for span in self.media if span.start == self.n_past), None)
+        """The image (or clip) its next position is in, if it is in one: at its start, or past
+        the part of it already read."""
+        return next((span for span in self.media if span.start <= self.n_past < span.end), None)
 
     @property
     def text_ahead(self) -> int:
-        """Its pending tokens a step may carry: up to its next image, if one comes."""
-        start = next((span.start for span in self.media if span.start >= self.n_past), len(self.tokens))
-        return start - self.n_past
+        """Its pending tokens a step may carry: up to its next image, if one comes (none while
+        it is within one)."""
+        start = next((span.start for span in self.media if span.end > self.n_past), len(self.tokens))
+        return max(0, start - self.n_past)
 
     @property
     def n_generated(self) -> int:

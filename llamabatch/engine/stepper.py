@@ -11,7 +11,7 @@ from ..errors import DecodeError, EngineBroken
 from .config import EngineConfig
 from .memory.streams import MemoryRefused
 from .native.handles import INVALID_BATCH, KV_FULL
-from .native.projector import decode_images
+from .native.projector import Placed, decode_images
 from .rpc import offloads
 from .sampling.picker import Picker
 from .postprocess import Postprocessor, progress_event
@@ -92,7 +92,7 @@ class Stepper:
                 self.reuse.resume(seq)
         images = self._read_images(events) if self.media_batch is not None else 0
         drafted = self._propose_drafts() if self.speculator is not None else None  # None: nothing planned
-        step = self.scheduler.schedule(reserved=sum(len(s.draft) for s in drafted) if drafted else 0)
+        step = self.scheduler.schedule(reserved=sum(len(s.draft) for s in drafted) if drafted else 0, media=images)
         carried += step.rows
         for seq in drafted or ():
             self.memory.prepare_to_reject(seq.seq_id, len(seq.draft))
@@ -192,36 +192,53 @@ class Stepper:
         return [self.post.fail(seq, message) for seq in dict.fromkeys(carried + stranded) if seq.status is not Status.FINISHED]
 
     def _read_images(self, events: list[Event]) -> int:
-        """Each running sequence whose next positions are an image's has it decoded now (a batch
-        holds tokens or embeddings, not both), the images of all such sequences together: the
-        step then carries their text after the image beside everyone's tokens. When that
-        decode fails, each image is decoded alone, and one that still fails (no room in the KV
-        cache) fails its sequence alone. Returns the positions read."""
+        """Each running sequence whose next positions are an image's (or a clip's) has it
+        decoded now (a batch holds tokens or embeddings, not both), the images of all such
+        sequences together: the step then carries their text after the image beside everyone's
+        tokens. Beside decoding sequences, with the step budget on, a step reads at most the
+        budget's prompt tokens of image positions (an image attended one way in parts, one
+        attended both ways whole): a large image stalls the streams no more than a prompt does.
+        When a decode fails, each image is decoded alone, and one that still fails (no room in
+        the KV cache) fails its sequence alone. Returns the positions read."""
+        running = self.scheduler.running
+        budget = self.scheduler.budget
+        n_decoding = sum(1 for seq in running if seq.n_pending == 1)
+        left = budget.prompt_tokens(n_decoding, self.ctx.n_ctx) if budget.on and n_decoding and not self.config.deterministic else None
         read = 0
-        while True:
-            due = [(seq, span) for seq in self.scheduler.running
-                   if seq.media and seq.leader is None and (span := seq.media_at()) is not None]
-            if not due:
-                return read
+        while left is None or left > 0:
+            parts = []
+            for seq in running:
+                span = seq.media_at() if seq.media and seq.leader is None else None
+                if span is None:
+                    continue
+                done = seq.n_past - span.start
+                n = span.image.n_tokens - done if left is None or span.image.non_causal else min(span.image.n_tokens - done, left)
+                if n > 0:
+                    parts.append((seq, span, Placed(span.image.embeddings[done : done + n], span.image.non_causal, seq.seq_id, seq.n_past)))
+                    left = None if left is None else left - n
+            if not parts:
+                break
             try:
-                decode_images(self.ctx, self.media_batch, [(span.image, seq.seq_id, span.start) for seq, span in due])
+                decode_images(self.ctx, self.media_batch, [placed for _, _, placed in parts])
             except DecodeError:
-                self._undo([seq for seq, _ in due])
-                due = [(seq, span) for seq, span in due if self._read_alone(seq, span, events)]
-            for seq, span in due:
-                seq.advance(span.image.n_tokens)
-                read += span.image.n_tokens
-                self.stats.media_read += 1
-                self.stats.prompt_tokens_evaluated += span.image.n_tokens
+                self._undo([seq for seq, _, _ in parts])
+                parts = [part for part in parts if self._read_alone(*part, events)]
+            for seq, span, placed in parts:
+                seq.advance(len(placed.rows))
+                read += len(placed.rows)
+                self.stats.prompt_tokens_evaluated += len(placed.rows)
+                if seq.n_past == span.end:
+                    self.stats.media_read += 1
                 for follower in [f for f in seq.followers if f.n_shared == seq.n_past]:
                     self._share_prefix(seq, follower, -1, [], [])
+        return read
 
-    def _read_alone(self, seq: Sequence, span: MediaSpan, events: list[Event]) -> bool:
-        """One image decoded on its own; False when it fails (its sequence ends with why)."""
-        if seq.n_past != span.start:  # memory put back to a checkpoint before it: read from there
+    def _read_alone(self, seq: Sequence, span: MediaSpan, placed: Placed, events: list[Event]) -> bool:
+        """One image's part decoded on its own; False when it fails (its sequence ends with why)."""
+        if seq.n_past != placed.first:  # memory put back to a checkpoint before it: read from there
             return False
         try:
-            decode_images(self.ctx, self.media_batch, [(span.image, seq.seq_id, span.start)])
+            decode_images(self.ctx, self.media_batch, [placed])
         except DecodeError as e:
             self._undo([seq])
             events.append(self.post.fail(seq, f"reading its image: {e}"))

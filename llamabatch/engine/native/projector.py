@@ -171,30 +171,38 @@ class Projector(_Owner):
             self._encoded.popitem(last=False)
 
 
-Placed = tuple[Encoded, int, int]  # an image, the sequence it goes to, its first position there
+@dataclass(frozen=True)
+class Placed:
+    """Rows of an image's embeddings (all of them, or the next part of one attended one way),
+    the sequence they go to, and the position of the first."""
+
+    rows: np.ndarray
+    non_causal: bool
+    seq_id: int
+    first: int
 
 
 def decode_images(ctx: Context, batch: Batch, placed: list[Placed]) -> None:
-    """Decode images into their sequences' positions through `batch` (of embedding rows, no
-    logits). Images attended one way share decodes of up to its capacity (one may span two);
-    one attended both ways is decoded alone and whole (Intake checks that it fits a
+    """Decode images' rows into their sequences' positions through `batch` (of embedding rows,
+    no logits). Rows attended one way share decodes of up to its capacity (an image may span
+    two); an image attended both ways is decoded alone and whole (Intake checks that it fits a
     micro-batch). Raises DecodeError as Context.decode does (code 1: no room in the KV cache);
     what went in before stays."""
     n = 0
-    for image, seq_id, first in placed:
-        if image.non_causal:
+    for piece in placed:
+        if piece.non_causal:
             n = _flush(ctx, batch, n)
-            _put(batch, 0, image.embeddings, seq_id, first)
+            _put(batch, 0, piece.rows, piece.seq_id, piece.first)
             llama_cpp.llama_set_causal_attn(ctx.handle, False)
             try:
-                _flush(ctx, batch, image.n_tokens)
+                _flush(ctx, batch, len(piece.rows))
             finally:
                 llama_cpp.llama_set_causal_attn(ctx.handle, True)
             continue
         start = 0
-        while start < image.n_tokens:
-            rows = image.embeddings[start : start + batch.capacity - n]
-            _put(batch, n, rows, seq_id, first + start)
+        while start < len(piece.rows):
+            rows = piece.rows[start : start + batch.capacity - n]
+            _put(batch, n, rows, piece.seq_id, piece.first + start)
             n, start = n + len(rows), start + len(rows)
             if n == batch.capacity:
                 n = _flush(ctx, batch, n)

@@ -31,10 +31,13 @@ class Composer:
         self._turn = 0
         self._last_turn: dict[AdapterSet, int] = {}
 
-    def compose(self, running: list[Sequence], leaders: Leaders, reserved: int, draws: bool, special: bool) -> tuple[Step, bool]:
+    def compose(self, running: list[Sequence], leaders: Leaders, reserved: int, draws: bool, special: bool,
+                media: int = 0) -> tuple[Step, bool]:
         """The step, and whether it repeats as it is until a sequence joins or leaves (plain, and
         not one adapter set's turn among several). `reserved` rows (speculative drafts, which
-        also want logits) are kept out of the budget; `draws` and `special` go on the step."""
+        also want logits) are kept out of the budget; `media`: image positions this step has
+        read already, which the time budget counts as prompt tokens; `draws` and `special` go
+        on the step."""
         generating, prefilling = [], []
         plain = not reserved  # so far every row decodes a sampled token
         first = running[0].adapters if running else ()
@@ -51,6 +54,9 @@ class Composer:
                     leaders.retire(seq)
                     if seq.n_past < seq.n_prompt:  # that last token's row may score it, or hand on a prefix
                         plain = False
+        # A prompt that brings no chunk this step (its next positions are an image's, read apart)
+        # still has one to come: the step is not repeated as it is.
+        reading = bool(prefilling)
         if mixed:
             generating, prefilling = self._one_adapter_set(generating, prefilling)
         if self.deterministic:
@@ -58,15 +64,18 @@ class Composer:
         if prefilling and self.policy == "priority":
             generating, prefilling = _held_back(generating, prefilling)
         chunks = dict.fromkeys(generating, 1)
-        checkpoints = self._read_prompts(prefilling, len(generating), reserved, chunks) if prefilling else frozenset()
+        checkpoints = self._read_prompts(prefilling, len(generating), reserved, media, chunks) if prefilling else frozenset()
         plain = plain and len(chunks) == len(generating)
-        return _step(chunks, plain, draws, special, checkpoints, len(generating)), plain and not mixed
+        return _step(chunks, plain, draws, special, checkpoints, len(generating)), plain and not mixed and not reading
 
-    def _read_prompts(self, prefilling: list[Sequence], n_decoding: int, reserved: int, chunks: dict[Sequence, int]) -> frozenset[int]:
-        """Each prompt's chunk into `chunks`, within the step's budget: shared out while the step
-        budget is on, else the oldest first, each all it wants. Returns the uids of the rows whose
-        chunk ends at a checkpoint."""
+    def _read_prompts(self, prefilling: list[Sequence], n_decoding: int, reserved: int, media: int,
+                      chunks: dict[Sequence, int]) -> frozenset[int]:
+        """Each prompt's chunk into `chunks`, within the step's budget (less the image positions
+        read beside decoders, in time): shared out while the step budget is on, else the oldest
+        first, each all it wants. Returns the uids of the rows whose chunk ends at a checkpoint."""
         budget = self.budget.prompt_tokens(n_decoding, self.n_batch - n_decoding - reserved)
+        if self.budget.on and n_decoding:
+            budget = max(0, budget - media)
         outputs = n_decoding + reserved
         wants = [_want(seq) for seq in prefilling]
         shared = shares(wants, budget) if self.budget.on else None

@@ -101,12 +101,13 @@ class Scheduler:
             self.version += 1
         return admitted
 
-    def schedule(self, reserved: int = 0) -> Step:
+    def schedule(self, reserved: int = 0, media: int = 0) -> Step:
         """The next step: decoders first (a token each), then prompt chunks filling the n_batch
-        budget. `reserved` rows (speculative drafts, which also want logits) are kept out of it."""
+        budget. `reserved` rows (speculative drafts, which also want logits) are kept out of it;
+        `media`: image positions read for this step already (the time budget counts them)."""
         if self._repeat is not None and not reserved:
             return self._repeat
-        step, repeats = self.composer.compose(self.running, self.leaders, reserved, self.n_sampled > 0, self.n_special > 0)
+        step, repeats = self.composer.compose(self.running, self.leaders, reserved, self.n_sampled > 0, self.n_special > 0, media)
         self._repeat = step if repeats else None
         return step
 
