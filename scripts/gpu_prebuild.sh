@@ -5,7 +5,7 @@
 # CCCL headers come from NVIDIA's wheels on PyPI (pinned to the lent machine's CUDA, 13.0);
 # ggml-cuda links the driver (libcuda.so.1), which only a GPU machine has, so an empty stub
 # stands in for it at link time. The result (the shared libraries and llama-batched-bench,
-# llama-server; about 35 min on 2 cores) is packed by scripts/gpu_pack.sh into .gpu/.
+# llama-server; about 20 minutes on 2 cores) is packed by scripts/gpu_pack.sh into .gpu/.
 #
 #   scripts/gpu_prebuild.sh            # -> $GPU_PREBUILD_DIR/prebuilt.tar.xz
 #

@@ -349,7 +349,7 @@ def test_a_remote_image_is_fetched_where_the_server_allows_it(serve, projector, 
     from anthropic import Anthropic
     from openai import OpenAI
 
-    from llamabatch import remote_media
+    from llamabatch.serve import remote_media
 
     base = serve(n_parallel=2, engine_extra={"mmproj": projector}, allow_remote_media=True)
     client = OpenAI(base_url=f"{base}/v1", api_key="none")

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..catalog import Catalog
 from ..engine import BatchEngine
 from ..engine.embedding import Pooling
-from .. import remote_media
+from . import remote_media
 from ..openai_format import error_body, validation_message
 from .access import Access
 from .adapters_api import adapter_routes

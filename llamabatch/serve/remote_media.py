@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-from .errors import PromptError
+from ..errors import PromptError
 
 MAX_BYTES = 20 << 20
 TIMEOUT_S = 10.0
