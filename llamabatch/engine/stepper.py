@@ -23,7 +23,6 @@ from .scheduling.fillers import Filler
 from .scheduling.scheduler import Scheduler
 from .sequence import Sequence, Status
 from .memory.reuse import PrefixReuse
-from .media import MediaSpan
 from .step import Step
 
 # A step that decodes nothing fails the sequences it carried; this many in a row (different
@@ -222,7 +221,7 @@ class Stepper:
                 decode_images(self.ctx, self.media_batch, [placed for _, _, placed in parts])
             except DecodeError:
                 self._undo([seq for seq, _, _ in parts])
-                parts = [part for part in parts if self._read_alone(*part, events)]
+                parts = [(seq, span, placed) for seq, span, placed in parts if self._read_alone(seq, placed, events)]
             for seq, span, placed in parts:
                 seq.advance(len(placed.rows))
                 read += len(placed.rows)
@@ -233,7 +232,7 @@ class Stepper:
                     self._share_prefix(seq, follower, -1, [], [])
         return read
 
-    def _read_alone(self, seq: Sequence, span: MediaSpan, placed: Placed, events: list[Event]) -> bool:
+    def _read_alone(self, seq: Sequence, placed: Placed, events: list[Event]) -> bool:
         """One image's part decoded on its own; False when it fails (its sequence ends with why)."""
         if seq.n_past != placed.first:  # memory put back to a checkpoint before it: read from there
             return False
