@@ -417,3 +417,19 @@ def test_beside_decoding_streams_a_large_image_is_read_in_parts_within_the_step_
     parts = [n for n in read if n]
     assert sum(parts) == 64 and len(parts) >= 3 and all(n <= max(PROBE_TOKENS, MIN_TOKENS) for n in parts)
     assert reader.result().text == whole.text
+
+
+def test_an_image_that_finds_no_room_fails_its_own_sequence_alone(tiny_model, projector, monkeypatch):
+    """The images of two prompts decoded together find the KV cache full (llama_decode answers
+    1): each is tried alone; the one that still finds no room fails its sequence, saying so,
+    and the other answers as it would have."""
+    from conftest import Faults
+
+    prompts = [MediaPrompt("what is it", (RED,)), MediaPrompt("what is it", (GREEN,))]
+    with BatchEngine(tiny_model, mmproj=projector, n_parallel=2, n_ctx=1024) as engine:
+        expected = engine.generate(prompts[1:], greedy(6))[0].text
+        engine.drop_cached_prefixes()
+        Faults(monkeypatch, code=1, times=2, after=1)  # after the prompts' first token: both images, then the first alone
+        failed, answered = engine.generate(prompts, greedy(6))
+    assert failed.finish_reason == "error" and "reading its image" in failed.error
+    assert answered.finish_reason == "length" and answered.text == expected
