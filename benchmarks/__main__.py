@@ -56,11 +56,12 @@ def main(argv: list[str]) -> int:
         args = parser.parse_args(bench.SMOKE + argv[1:])
     report = Report(name, shlex.join(["python", "-m", "benchmarks", *_without_out(argv)]), args.smoke)
     bench.run(args, report)
-    if args.smoke and args.out is None:
-        folder = Path(tempfile.mkdtemp(prefix="llamabatch-smoke-"))
-    else:
-        folder = args.out or RESULTS
-    print(f"results: {report.write(folder)}", file=sys.stderr)
+    if args.smoke and args.out is None:  # a smoke's results are no results: written (so the writer runs), not kept
+        with tempfile.TemporaryDirectory(prefix="llamabatch-smoke-") as folder:
+            report.write(Path(folder))
+        print("results: none kept (a smoke run)", file=sys.stderr)
+        return 0
+    print(f"results: {report.write(args.out or RESULTS)}", file=sys.stderr)
     return 0
 
 
