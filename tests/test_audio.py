@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +14,7 @@ import pytest
 
 from llamabatch.engine import BatchEngine, MediaPrompt, SamplingParams
 from conftest import native_built
-from test_images import CHATML_QUOTED, MARKER, RED, mtmd_cli_reply
+from test_images import CHATML_QUOTED, MARKER, RED, mtmd_cli_reply, run_json
 from tiny_model import wav, write_tiny_audio_projector, write_tiny_model, write_tiny_projector
 
 RATE = 16_000
@@ -62,14 +60,7 @@ def test_greedy_tokens_equal_llama_mtmd_cli(chat_model, audio_projector, tmp_pat
         got = [b"".join(engine.vocab.piece(t) for t in s.tokens[s.n_prompt:] if not engine.vocab.is_eog(t)) for s in seqs]
         assert engine.media_encoded == 2
     assert got == expected and expected[0] != expected[1]
-    done = subprocess.run(
-        [sys.executable, "-m", "llamabatch", "run", "-m", str(chat_model), "--mmproj", str(audio_projector), "--chat",
-         "--parallel", "2", "--ctx", "4096", "--max-tokens", "10", "--temperature", "0", "--json",
-         *[a for p, _ in cases for a in ("-p", p)], *[a for f in files for a in ("--audio", str(f))]],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    lines = run_json(chat_model, audio_projector, [p for p, _ in cases], "--audio", files, n_ctx=4096, max_tokens=10)
     assert [line["text"] for line in lines[:2]] == [e.decode(errors="replace") for e in expected]
 
 

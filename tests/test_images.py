@@ -146,6 +146,19 @@ def mtmd_cli_reply(model: Path, projector: Path, media: Path, prompt: str, n: in
     raise AssertionError(f"llama-mtmd-cli lost its output {MTMD_CLI_ATTEMPTS} times")
 
 
+def run_json(model: Path, projector: Path, prompts: list[str], flag: str, files: list[Path], n_ctx: int, max_tokens: int) -> list[dict]:
+    """`llamabatch run --chat --json` of greedy prompts, each with its file (`flag`: --image or
+    --audio), in a process of its own: its JSON lines (the results, then the summary)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "llamabatch", "run", "-m", str(model), "--mmproj", str(projector), "--chat",
+         "--parallel", str(len(prompts)), "--ctx", str(n_ctx), "--max-tokens", str(max_tokens), "--temperature", "0", "--json",
+         *[a for p in prompts for a in ("-p", p)], *[a for f in files for a in (flag, str(f))]],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
 # ChatML whose generation prompt ends inside an expression: a template's own last newline is
 # kept by llama.cpp's renderer and dropped by Jinja2's (and transformers'), which the tests'
 # CHATML ends with.
@@ -170,14 +183,7 @@ def test_greedy_tokens_equal_llama_mtmd_cli(projector, tmp_path):
             pass
         got = [b"".join(engine.vocab.piece(t) for t in s.tokens[s.n_prompt:] if not engine.vocab.is_eog(t)) for s in seqs]
     assert got == expected and expected[0] != expected[1]
-    done = subprocess.run(
-        [sys.executable, "-m", "llamabatch", "run", "-m", str(tiny_model), "--mmproj", str(projector), "--chat",
-         "--parallel", "2", "--ctx", "2048", "--max-tokens", "12", "--temperature", "0", "--json",
-         *[a for (p, _), f in zip(cases, files) for a in ("-p", p)], *[a for f in files for a in ("--image", str(f))]],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    lines = run_json(tiny_model, projector, [p for p, _ in cases], "--image", files, n_ctx=2048, max_tokens=12)
     assert [line["text"] for line in lines[:2]] == [e.decode(errors="replace") for e in expected]
     assert lines[2]["summary"]["media_encoded"] == 2 and lines[2]["summary"]["media_read"] == 2
 

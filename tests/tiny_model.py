@@ -392,18 +392,7 @@ def write_tiny_projector(
     w.add_file_type(0)  # all F32
     w.add_tensor("v.patch_embd.weight", weight(n_embd, 3, patch_size, patch_size))
     w.add_tensor("v.position_embd.weight", weight((image_size // patch_size) ** 2, n_embd))
-    for i in range(n_layer):
-        b = f"v.blk.{i}"
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.add_tensor(f"{b}.{name}.weight", weight(n_embd, n_embd))
-            w.add_tensor(f"{b}.{name}.bias", np.zeros(n_embd, np.float32))
-        for norm in ("ln1", "ln2"):
-            w.add_tensor(f"{b}.{norm}.weight", np.ones(n_embd, np.float32))
-            w.add_tensor(f"{b}.{norm}.bias", np.zeros(n_embd, np.float32))
-        w.add_tensor(f"{b}.ffn_up.weight", weight(n_ff, n_embd))
-        w.add_tensor(f"{b}.ffn_up.bias", np.zeros(n_ff, np.float32))
-        w.add_tensor(f"{b}.ffn_down.weight", weight(n_embd, n_ff))
-        w.add_tensor(f"{b}.ffn_down.bias", np.zeros(n_embd, np.float32))
+    _vit_blocks(w, "v", weight, n_layer, n_embd, n_ff)
     # The projection into the text model's embeddings, at the scale of its token embeddings.
     w.add_tensor("mm.0.weight", weight(n_embd_text, n_embd, scale=1.0))
     w.add_tensor("mm.0.bias", np.zeros(n_embd_text, np.float32))
@@ -444,11 +433,24 @@ def write_tiny_audio_projector(
     w.add_tensor("a.conv1d.2.weight", weight(n_embd, n_embd, 3))
     w.add_tensor("a.conv1d.2.bias", np.zeros((n_embd, 1), np.float32))
     w.add_tensor("a.position_embd.weight", weight(1500, n_embd))  # a 30-second piece's positions after the stride
+    _vit_blocks(w, "a", weight, n_layer, n_embd, n_ff, key_bias=False)  # Whisper's keys have no bias
+    w.add_tensor("mm.a.fc.weight", weight(n_embd_text, n_embd, scale=1.0))
+    w.add_tensor("mm.a.fc.bias", np.zeros(n_embd_text, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _vit_blocks(w: GGUFWriter, prefix: str, weight, n_layer: int, n_embd: int, n_ff: int, key_bias: bool = True) -> None:
+    """A projector's encoder blocks as clip.cpp names them ("v.blk.N" for images, "a.blk.N" for
+    audio): attention with biases, two layer norms, a two-layer FFN with biases."""
     for i in range(n_layer):
-        b = f"a.blk.{i}"
+        b = f"{prefix}.blk.{i}"
         for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
             w.add_tensor(f"{b}.{name}.weight", weight(n_embd, n_embd))
-            if name != "attn_k":  # Whisper's keys have no bias
+            if key_bias or name != "attn_k":
                 w.add_tensor(f"{b}.{name}.bias", np.zeros(n_embd, np.float32))
         for norm in ("ln1", "ln2"):
             w.add_tensor(f"{b}.{norm}.weight", np.ones(n_embd, np.float32))
@@ -457,13 +459,6 @@ def write_tiny_audio_projector(
         w.add_tensor(f"{b}.ffn_up.bias", np.zeros(n_ff, np.float32))
         w.add_tensor(f"{b}.ffn_down.weight", weight(n_embd, n_ff))
         w.add_tensor(f"{b}.ffn_down.bias", np.zeros(n_embd, np.float32))
-    w.add_tensor("mm.a.fc.weight", weight(n_embd_text, n_embd, scale=1.0))
-    w.add_tensor("mm.a.fc.bias", np.zeros(n_embd_text, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def wav(samples: np.ndarray, rate: int = 16_000) -> bytes:

@@ -387,12 +387,15 @@ class Stepper:
         step = self._ahead
         if not self._cut_past_ends():
             return
-        rows = step.rows if self._in_batch is step else [seq for seq in step.rows if seq.status is Status.RUNNING]
+        if self._in_batch is step:  # every row still runs
+            rows, indices = step.rows, range(len(step.rows))
+        else:
+            indices = [k for k, seq in enumerate(step.rows) if seq.status is Status.RUNNING]
+            rows = [step.rows[k] for k in indices]
         carried += rows
         logits = self.ctx.output_logits(self.batch.n_outputs, self.vocab.n_vocab)  # waits for the device
         self._ahead = None
         Sequence.advance_each(rows)
-        indices = range(len(rows)) if rows is step.rows else [k for k, seq in enumerate(step.rows) if seq.status is Status.RUNNING]
         self._picked = self._sample(step, rows, indices, logits, events)
         self.stats.record_step(started, time.perf_counter())
 
@@ -401,14 +404,15 @@ class Stepper:
         cancel) lose the token decoded past their end; the batch no longer holds the scheduler's
         step then. Returns whether any row still runs (else nothing is left to read)."""
         step = self._ahead
-        ended = [seq_id for seq, seq_id in zip(step.rows, self._ahead_ids) if seq.status is not Status.RUNNING]
-        if not ended:
-            return True
+        ended = 0
         for seq, seq_id in zip(step.rows, self._ahead_ids):
             if seq.status is not Status.RUNNING:
                 self.memory.truncate(seq_id, seq.n_past)
+                ended += 1
+        if not ended:
+            return True
         self._in_batch = None
-        if len(ended) == len(step.rows):
+        if ended == len(step.rows):
             self._ahead = None
             return False
         return True

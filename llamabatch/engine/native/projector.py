@@ -102,15 +102,10 @@ class Projector(_Owner):
         kinds = [self._kind(data) for data in media]
         with self._lock:
             bitmaps = []
+            chunks = mtmd.mtmd_input_chunks_init()
             try:
                 for k, (data, kind) in enumerate(zip(media, kinds)):
                     bitmaps.append(self._bitmap(data, f"{kind} {kinds[: k + 1].count(kind)}"))
-            except PromptError:
-                for bitmap in bitmaps:
-                    mtmd.mtmd_bitmap_free(bitmap)
-                raise
-            chunks = mtmd.mtmd_input_chunks_init()
-            try:
                 data = text.encode()
                 words = mtmd.mtmd_input_text(text=data, text_len=len(data), add_special=add_special, parse_special=True)
                 array = (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
