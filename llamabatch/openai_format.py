@@ -16,8 +16,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from .chat import Tools
 from .chat.conversation import Answer
-from .engine import MEDIA_MARKER, BatchEngine, MediaPrompt, Infill, SamplingParams, Sequence
-from .engine.results import PromptProgress
+from .engine import MEDIA_MARKER, BatchEngine, MediaPrompt, Infill, Result, SamplingParams, Ticket
+from .engine.results import PromptProgress, TokenLogprob
 from .engine.sampling.constraints import Constraint
 from .engine.native.handles import Vocab
 from .engine.sampling.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED, MIN_REPEAT_PENALTY
@@ -551,39 +551,39 @@ def prompt_progress(progress: PromptProgress) -> dict:
     return {"total": progress.total, "cache": progress.cached, "processed": progress.processed, "time_ms": round(1000 * progress.seconds, 3)}
 
 
-def usage(sequences: Seq[Sequence]) -> dict:
+def usage(results: Seq[Result]) -> dict:
     """OpenAI's usage: each prompt counted once (its first sample's), and of its tokens those
     whose memory came from a cache rather than being decoded (prompt_tokens_details.cached_tokens)."""
-    firsts = [s for s in sequences if s.sample == 0]
-    prompt = sum(s.n_prompt for s in firsts)
-    completion = sum(s.n_generated for s in sequences)
+    firsts = [r for r in results if r.sample == 0]
+    prompt = sum(r.prompt_tokens for r in firsts)
+    completion = sum(r.completion_tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(s.n_cached for s in firsts)}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
 
 
-def choice_index(seq: Sequence) -> int:
+def choice_index(choice: Ticket | Result) -> int:
     """A completion choice's index: prompts in order, each prompt's n samples together."""
-    return seq.index * seq.params.n + seq.sample
+    return choice.index * choice.params.n + choice.sample
 
 
-def completion_choices(sequences: Seq[Sequence], vocab: Vocab, shown: Shown) -> list[dict]:
+def completion_choices(results: Seq[Result], vocab: Vocab, shown: Shown) -> list[dict]:
     choices = []
-    for s in sequences:
-        choice = {"index": choice_index(s), "text": (s.prompt if shown.echo else "") + s.text,
-                  "logprobs": completion_logprobs(s, s.logprobs, vocab, echo=shown.echo),
-                  "finish_reason": s.finish_reason}
+    for r in results:
+        choice = {"index": choice_index(r), "text": (r.prompt if shown.echo else "") + r.text,
+                  "logprobs": completion_logprobs(r, r.logprobs, vocab, r.prompt_logprobs if shown.echo else None),
+                  "finish_reason": r.finish_reason}
         if shown.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs(s, vocab, shown.prompt_logprobs)
+            choice["prompt_logprobs"] = prompt_logprobs(r.prompt_logprobs, vocab, shown.prompt_logprobs)
         choices.append(choice)
     return sorted(choices, key=lambda c: c["index"])
 
 
-def chat_choices(sequences: Seq[Sequence], vocab: Vocab, answer: Answer | None = None) -> list[dict]:
+def chat_choices(results: Seq[Result], vocab: Vocab, answer: Answer | None = None) -> list[dict]:
     choices = []
-    for s in sequences:
-        message = (answer or Answer()).message(s.text)
-        choices.append({"index": s.sample, "message": message, "logprobs": chat_logprobs(s.logprobs, s, vocab),
-                        "finish_reason": Answer.finish_reason(s.finish_reason, "tool_calls" in message)})
+    for r in results:
+        message = (answer or Answer()).message(r.text)
+        choices.append({"index": r.sample, "message": message, "logprobs": chat_logprobs(r.logprobs, r, vocab),
+                        "finish_reason": Answer.finish_reason(r.finish_reason, "tool_calls" in message)})
     return choices
 
 
@@ -600,18 +600,18 @@ class Failure:
     message: str
 
 
-def failure(sequences: Seq[Sequence]) -> Failure | None:
+def failure(results: Seq[Result]) -> Failure | None:
     """The one verdict on a request's sequences: the first failure among those that have
-    finished, or None when every one that has ended well ("stop" or "length"). A request fails
-    whole: an answer with a missing or broken choice would read as a success."""
-    several = any(s.index > 0 for s in sequences)
-    for s in sequences:
-        if s.finish_reason in (None, "stop", "length"):  # None: still running
+    ended, or None when every one has ended well ("stop" or "length"). A request fails whole:
+    an answer with a missing or broken choice would read as a success."""
+    several = any(r.index > 0 for r in results)
+    for r in results:
+        if r.finish_reason in ("stop", "length"):
             continue
-        where = f"prompt {s.index}: " if several else ""
-        if s.finish_reason == "cancelled":
+        where = f"prompt {r.index}: " if several else ""
+        if r.finish_reason == "cancelled":
             return Failure(499, f"{where}cancelled before it finished")
-        return Failure(400 if s.refused else 500, where + (s.error or f"finished with {s.finish_reason!r}"))
+        return Failure(400 if r.refused else 500, where + (r.error or f"finished with {r.finish_reason!r}"))
     return None
 
 
@@ -625,30 +625,33 @@ def error_body(status: int, message: str, kind: str | None = None) -> dict:
 
 
 def response_body(
-    kind: str, id: str, created: int, model: str, sequences: Seq[Sequence], vocab: Vocab, shown: Shown = Shown(),
+    kind: str, id: str, created: int, model: str, results: Seq[Result], vocab: Vocab, shown: Shown = Shown(),
     answer: Answer | None = None,
 ) -> dict:
     """The whole answer to a request whose sequences all ended well (failure() is None): a
     text_completion or chat.completion object."""
     if kind == "chat.completion":
-        body = {"id": id, "object": kind, "created": created, "model": model, "choices": chat_choices(sequences, vocab, answer)}
+        body = {"id": id, "object": kind, "created": created, "model": model, "choices": chat_choices(results, vocab, answer)}
         if shown.prompt_logprobs is not None:  # vLLM puts a chat's prompt log-probabilities beside its choices
-            body["prompt_logprobs"] = prompt_logprobs(sequences[0], vocab, shown.prompt_logprobs)
+            body["prompt_logprobs"] = prompt_logprobs(results[0].prompt_logprobs, vocab, shown.prompt_logprobs)
     else:
         body = {"id": id, "object": kind, "created": created, "model": model,
-                "choices": completion_choices(sequences, vocab, shown)}
-    return {**body, "usage": usage(sequences)}
+                "choices": completion_choices(results, vocab, shown)}
+    return {**body, "usage": usage(results)}
 
 
-def completion_logprobs(seq: Sequence, generated: list, vocab: Vocab, echo: bool = False) -> dict | None:
-    """OpenAI's legacy completions format: parallel lists per token. With echo the prompt's tokens
-    come first, the first of them without a log-probability (nothing comes before it)."""
-    k = seq.params.logprobs
+def completion_logprobs(
+    choice: Ticket | Result, generated: Seq[TokenLogprob], vocab: Vocab, echoed: Seq[TokenLogprob] | None = None,
+) -> dict | None:
+    """OpenAI's legacy completions format: parallel lists per token. With echo (`echoed`: the
+    prompt's scored tokens) the prompt's tokens come first, the first of them without a
+    log-probability (nothing comes before it)."""
+    k = choice.params.logprobs
     if k is None:
         return None
     rows = [(lp.token, lp.logprob, lp.top) for lp in generated]
-    if echo:
-        prompt = [(seq.tokens[0], None, None)] + [(lp.token, lp.logprob, lp.top[:k]) for lp in seq.scored.tokens]
+    if echoed is not None:
+        prompt = [(choice.prompt_token_ids[0], None, None)] + [(lp.token, lp.logprob, lp.top[:k]) for lp in echoed]
         rows = prompt + rows
     return {
         "tokens": [piece(vocab, token) for token, _, _ in rows],
@@ -657,11 +660,11 @@ def completion_logprobs(seq: Sequence, generated: list, vocab: Vocab, echo: bool
     }
 
 
-def prompt_logprobs(seq: Sequence, vocab: Vocab, k: int) -> list[dict | None]:
+def prompt_logprobs(scored: Seq[TokenLogprob], vocab: Vocab, k: int) -> list[dict | None]:
     """vLLM's prompt_logprobs: null for the first prompt token, then for each the token itself and
     its k most likely alternatives, keyed by token id, each with its log-probability and rank."""
     entries: list[dict | None] = [None]
-    for lp in seq.scored.tokens:
+    for lp in scored:
         entry = {str(lp.token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": piece(vocab, lp.token)}}
         for rank, (t, v) in enumerate(lp.top[:k], 1):
             entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": piece(vocab, t)})
@@ -669,9 +672,9 @@ def prompt_logprobs(seq: Sequence, vocab: Vocab, k: int) -> list[dict | None]:
     return entries
 
 
-def chat_logprobs(logprobs: list, seq: Sequence, vocab: Vocab) -> dict | None:
+def chat_logprobs(logprobs: Seq[TokenLogprob], choice: Ticket | Result, vocab: Vocab) -> dict | None:
     """OpenAI's chat format: one entry per token, with its alternatives."""
-    if seq.params.logprobs is None:
+    if choice.params.logprobs is None:
         return None
 
     def entry(token: int, logprob: float) -> dict:

@@ -161,3 +161,32 @@ def test_the_contract_test_finds_a_reach(tmp_path):
     scrape.write_text("def kv(worker):\n    engine = worker.engine\n    return sum(s.n_past for s in engine.scheduler.running)\n"
                       "def checkpoints(worker):\n    return worker.engine.memory.checkpoints.count\n")
     assert sorted(reaches_into_an_engine(scrape)) == ["scrape.py:3: engine.scheduler", "scrape.py:5: worker.engine.memory"]
+
+
+# The server's handlers and the answers they build run on the event loop, beside the engine's
+# thread: they hold Tickets and Results (immutable), never a Sequence. Only the worker, which
+# steps the engine on that thread, holds sequences.
+LOOP_SIDE = [PACKAGE / "openai_format.py", *[p for p in (PACKAGE / "serve").rglob("*.py") if p.name != "worker.py"]]
+
+
+def names_a_sequence(path: Path) -> list[str]:
+    """`Sequence` imported from the engine, or a `.sequences` read (a Submission's, as it was)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and "engine" in (node.module or "") and any(a.name == "Sequence" for a in node.names):
+            found.append(f"{path.name}:{node.lineno}: imports Sequence")
+        elif isinstance(node, ast.Attribute) and node.attr == "sequences" and isinstance(node.ctx, ast.Load):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_on_the_event_loop_holds_a_sequence():
+    found = [line for path in LOOP_SIDE for line in names_a_sequence(path)]
+    assert not found, "\n".join(found)
+
+
+def test_the_sequence_check_finds_what_the_handlers_did(tmp_path):
+    handler = tmp_path / "handler.py"
+    handler.write_text("from ..engine import BatchEngine, Sequence\n"
+                       "def whole(reply):\n    return [s.text for s in reply.submission.sequences]\n")
+    assert names_a_sequence(handler) == ["handler.py:1: imports Sequence", "handler.py:3: reply.submission.sequences"]

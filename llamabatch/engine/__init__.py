@@ -6,11 +6,11 @@ from .config import EngineConfig
 from .infill import ExtraFile, Infill
 from .intake import MediaPrompt
 from .native.projector import MEDIA_MARKER
-from .results import Event, Result, RunStats, Timings, TokenLogprob
+from .results import Event, Result, RunStats, Ticket, Timings, TokenLogprob
 from .sampling.params import SamplingParams
 from .sequence import Sequence, Status
 
 __all__ = [
     "BatchEngine", "EngineConfig", "Event", "ExtraFile", "MEDIA_MARKER", "MediaPrompt", "Infill", "Result", "RunStats", "SamplingParams", "Sequence", "Status",
-    "Timings", "TokenLogprob",
+    "Ticket", "Timings", "TokenLogprob",
 ]

@@ -49,6 +49,8 @@ class Postprocessor:
         limit = seq.params.max_predict_s
         if len(seq.tokens) >= seq.max_len or (limit is not None and _out_of_time(seq, piece, limit)):
             return self.finish(seq, token, text, "length")
+        if seq.score_from >= 0:  # its first event carries its prompt's scores
+            return event(seq, token, text)
         # event(seq, token, text), inline: this line runs for every token of every sequence
         return Event(seq.index, token, text, None, None, seq.sample, seq.uid, seq.logprobs[-1] if seq.logprobs else None)
 
@@ -127,5 +129,8 @@ def progress_event(seq: Sequence) -> Event:
 
 
 def event(seq: Sequence, token: int | None, text: str, reason: str | None = None, error: str | None = None) -> Event:
+    """The general path's event; the last one (a reason) carries the sequence's Result, and a scored
+    prompt's first one its scores."""
     logprob = seq.logprobs[-1] if token is not None and seq.logprobs else None
-    return Event(seq.index, token, text, reason, error, seq.sample, seq.uid, logprob)
+    scores = tuple(seq.scored.tokens) if seq.score_from >= 0 and seq.n_generated <= 1 else None
+    return Event(seq.index, token, text, reason, error, seq.sample, seq.uid, logprob, None, scores, None if reason is None else seq.result())

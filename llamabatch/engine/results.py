@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .sampling.params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -20,6 +24,9 @@ class Event:
     uid: int = -1  # the sequence's engine-wide id (indices repeat across submit calls)
     logprob: TokenLogprob | None = None  # with SamplingParams.logprobs
     progress: PromptProgress | None = None  # with SamplingParams.prompt_progress: an event of its own (no token) per prompt chunk read
+    # A sequence's first event (token or end) when its prompt was scored: the scores, as Result has them.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    result: Result | None = None  # on the last event (finish_reason set): the sequence as it ended
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,23 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class Ticket:
+    """What a caller on another thread may keep of a queued sequence: who it is and what it was
+    asked (the Sequence itself is the engine thread's; it hands a Result back at the end)."""
+
+    uid: int
+    index: int
+    sample: int
+    prompt: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
 class Result:
+    """A sequence as it ended, for any thread. to_dict() gives its summary (what `run --json`
+    prints of it); the server's answers are made of the rest too."""
+
     index: int
     sample: int  # 0..n_samples-1
     n_samples: int
@@ -95,12 +118,26 @@ class Result:
     finish_reason: str  # "stop", "length", "error" or "cancelled"
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens not decoded: their memory came from a cache (OpenAI's cached_tokens)
-    timings: Timings | None = None  # None when the prompt was rejected
-    error: str | None = None
+    cached_tokens: int  # prompt tokens not decoded: their memory came from a cache (OpenAI's cached_tokens)
+    timings: Timings | None  # None when the prompt was rejected
+    error: str | None
+    uid: int
+    refused: bool  # the error is the caller's (it asked what cannot run), not the engine's
+    incomplete: bool  # constrained, and cut before its constraint was complete
+    stop_word: str | None  # the stop string that ended it (Anthropic's stop_sequence)
+    logprobs: tuple[TokenLogprob, ...]  # one per generated token, when asked for
+    prompt_logprobs: tuple[TokenLogprob, ...]  # its prompt's scored tokens, when scored
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = {name: getattr(self, name) for name in _SUMMARY}
+        data["timings"] = self.timings and asdict(self.timings)
+        return data
+
+
+_SUMMARY = ("index", "sample", "n_samples", "prompt", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens",
+            "cached_tokens", "timings", "error")
 
 
 @dataclass

@@ -12,7 +12,7 @@ import numpy as np
 from .adapters import BASE, AdapterSet
 from .media import MediaSpan
 from .sampling.thinking import Thought
-from .results import PromptScore, Result, Timings, TokenLogprob
+from .results import PromptScore, Result, Ticket, Timings, TokenLogprob
 from .sampling.samplers import GreedySampler, RowSampler
 from .sampling.params import SamplingParams
 from .speculative.rejection import DraftSampler
@@ -240,4 +240,15 @@ class Sequence:
             cached_tokens=self.n_cached,
             timings=timings,
             error=self.error,
+            uid=self.uid,
+            refused=self.refused,
+            incomplete=self.incomplete,
+            stop_word=self.stream.stop_hit,
+            logprobs=tuple(self.logprobs),
+            prompt_logprobs=tuple(self.scored.tokens),
+            prompt_token_ids=tuple(self.tokens[: self.n_prompt]),
+            params=self.params,
         )
+
+    def ticket(self) -> Ticket:
+        return Ticket(self.uid, self.index, self.sample, self.prompt, tuple(self.tokens[: self.n_prompt]), self.params)

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..chat.conversation import Answer
 from ..embeddings_format import EmbedSettings, embeddings_body
-from ..engine import BatchEngine, Sequence
+from ..engine import BatchEngine, Result
 from ..openai_format import ENDPOINTS, error_body, new_id, response_body, usage
 from .inputs import BadLine, Format, JobLine
 
@@ -19,19 +19,19 @@ from .inputs import BadLine, Format, JobLine
 
 
 def result_record(
-    fmt: Format, request: JobLine, sequences: Seq[Sequence], engine: BatchEngine, created: int, answer: Answer | None = None,
+    fmt: Format, request: JobLine, results: Seq[Result], engine: BatchEngine, created: int, answer: Answer | None = None,
 ) -> dict:
     """A finished request's output line (`answer`: how a chat answer's tool calls and reasoning are read)."""
     if fmt is Format.OPENAI:
         kind = ENDPOINTS[request.url][1]
-        body = response_body(kind, new_id(kind), created, request.body.model or engine.model_name, sequences, engine.vocab,
+        body = response_body(kind, new_id(kind), created, request.body.model or engine.model_name, results, engine.vocab,
                              request.body.shown(), answer)
         return {"id": _batch_id(), "custom_id": request.id,
                 "response": {"status_code": 200, "request_id": _request_id(), "body": body}, "error": None,
                 "request_digest": request.digest}
-    choices = [{"index": s.sample, "text": s.text, "finish_reason": s.finish_reason, "completion_tokens": s.n_generated}
-               for s in sequences]
-    return {"id": request.id, "line": request.line, "prompt": request.prompt, "choices": choices, "usage": usage(sequences),
+    choices = [{"index": r.sample, "text": r.text, "finish_reason": r.finish_reason, "completion_tokens": r.completion_tokens}
+               for r in results]
+    return {"id": request.id, "line": request.line, "prompt": request.prompt, "choices": choices, "usage": usage(results),
             "request_digest": request.digest}
 
 

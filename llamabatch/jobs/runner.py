@@ -218,16 +218,17 @@ class RequestRunner:
         self._n_open_sequences -= 1
         if req.n_open:
             return
-        verdict = failure(req.sequences)  # the server's verdict, so the line is the server's answer
+        verdict = failure([s.result() for s in req.sequences])  # the server's verdict, so the line is the server's answer
         if verdict is not None:
             yield self._failure(req.request, verdict.message, verdict.status)
         else:
             yield self._result(req)
 
     def _result(self, req: _Open) -> Outcome:
-        counted = usage(req.sequences)
-        record = result_record(self.format, req.request, req.sequences, self.engine, self._created, req.answer)
-        cut = [s for s in req.sequences if s.incomplete]
+        results = [s.result() for s in req.sequences]
+        counted = usage(results)
+        record = result_record(self.format, req.request, results, self.engine, self._created, req.answer)
+        cut = [r for r in results if r.incomplete]
         ok = not (cut and self.incomplete_errors)
         if not ok:  # the whole answer, marked, in the error file: nothing generated is lost
             message = f"choice {cut[0].sample}: the structured output was cut by max_tokens (or the context) before it was complete"

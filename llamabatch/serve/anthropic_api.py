@@ -17,7 +17,7 @@ from typing import Annotated, Literal, Union
 from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
 from pydantic import BaseModel, Field, StrictBool, StrictStr, model_validator
 
-from ..engine import BatchEngine
+from ..engine import BatchEngine, Result
 from ..errors import LlamabatchError
 from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, usage
 from .dialects import Blocks, answer, sse
@@ -256,8 +256,8 @@ def stop_reason(finish_reason: str | None, called: bool, stop_hit: str | None) -
     return "end_turn", None
 
 
-def message_usage(sequences) -> dict:
-    counted = usage(sequences)
+def message_usage(results: list[Result]) -> dict:
+    counted = usage(results)
     cached = counted["prompt_tokens_details"]["cached_tokens"]
     return {"input_tokens": counted["prompt_tokens"] - cached, "output_tokens": counted["completion_tokens"],
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
@@ -290,21 +290,22 @@ def anthropic_routes(serving: Serving, authorized, errors, reasoning_budget: int
 
 def _message(reply: Reply) -> dict:
     """The whole answer: a message of content blocks."""
-    seq = reply.submission.sequences[0]
-    message = reply.answer.message(seq.text)
-    reason, hit = stop_reason(seq.finish_reason, bool(message.get("tool_calls")), seq.stream.stop_hit)
+    result = reply.results[0]
+    message = reply.answer.message(result.text)
+    reason, hit = stop_reason(result.finish_reason, bool(message.get("tool_calls")), result.stop_word)
     return {"id": _message_id(), "type": "message", "role": "assistant", "model": reply.model,
             "content": content_blocks(message), "stop_reason": reason, "stop_sequence": hit,
-            "usage": message_usage(reply.submission.sequences)}
+            "usage": message_usage(reply.results)}
 
 
 async def _events(reply: Reply, worker: EngineWorker) -> AsyncIterator[str]:
     """Anthropic's stream: message_start; each content block's start, deltas and stop (thinking,
     text, tool_use, in the order they come); message_delta with the stop reason and usage;
     message_stop. A failure after the start is an error event, as Anthropic sends one."""
-    seq = reply.submission.sequences[0]
+    usage_now = {"input_tokens": len(reply.submission.tickets[0].prompt_token_ids), "output_tokens": 0,  # (what a cache holds is known later)
+                 "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
     start = {"id": _message_id(), "type": "message", "role": "assistant", "model": reply.model, "content": [],
-             "stop_reason": None, "stop_sequence": None, "usage": {**message_usage([seq]), "output_tokens": 0}}
+             "stop_reason": None, "stop_sequence": None, "usage": usage_now}
     yield sse({"type": "message_start", "message": start}, "message_start")
     blocks, called = _Blocks(), False
     try:
@@ -317,9 +318,10 @@ async def _events(reply: Reply, worker: EngineWorker) -> AsyncIterator[str]:
         return
     for chunk in blocks.close():
         yield chunk
-    reason, hit = stop_reason(seq.finish_reason, called, seq.stream.stop_hit)
+    result = reply.results[0]
+    reason, hit = stop_reason(result.finish_reason, called, result.stop_word)
     yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": hit},
-               "usage": {"output_tokens": seq.n_generated}}, "message_delta")
+               "usage": message_usage([result])}, "message_delta")
     yield sse({"type": "message_stop"}, "message_stop")
 
 

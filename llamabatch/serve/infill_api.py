@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, HTTPException, Request as HttpRequest
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
-from ..engine import BatchEngine, ExtraFile, Infill, SamplingParams, Sequence
+from ..engine import BatchEngine, ExtraFile, Infill, Result, SamplingParams
 from ..openai_format import Body, EngineInputs, SamplingFields, error_body, prompt_progress, request_params
 from .dialects import answer, sse
 from .reply import Reply, Translated
@@ -71,7 +71,7 @@ def infill_routes(serving: Serving, authorized, errors) -> APIRouter:
             return Translated(body, EngineInputs([prompt], params), "infill")
 
         def whole(reply: Reply) -> dict | list:
-            bodies = [_fields(_result(reply, seq), body.response_fields) for seq in reply.submission.sequences]
+            bodies = [_fields(_result(reply, result), body.response_fields) for result in reply.results]
             return bodies[0] if len(bodies) == 1 else bodies  # n samples: a list, as llama-server answers several
 
         return await answer(serving, body.model, body.stream, http, translate, whole, _events)
@@ -79,22 +79,23 @@ def infill_routes(serving: Serving, authorized, errors) -> APIRouter:
     return router
 
 
-def _result(reply: Reply, seq: Sequence) -> dict:
+def _result(reply: Reply, result: Result) -> dict:
     """A sequence's answer as llama-server's completion result."""
-    timings = seq.result().timings
-    prompt_n = seq.n_prompt - seq.n_cached
+    timings = result.timings
+    prompt_n = result.prompt_tokens - result.cached_tokens
     prompt_s = (timings.ttft_s - timings.queue_s) if timings else 0.0
     predicted_s = timings.decode_s if timings else 0.0
-    stop_type = {"length": "limit"}.get(seq.finish_reason or "", "word" if seq.stream.stop_hit else "eos")
+    generated = result.completion_tokens
+    stop_type = {"length": "limit"}.get(result.finish_reason, "word" if result.stop_word else "eos")
     return {
-        "index": seq.sample, "content": seq.text, "tokens": seq.tokens[seq.n_prompt:], "stop": True,
-        "model": reply.model, "tokens_predicted": seq.n_generated, "tokens_evaluated": seq.n_prompt, "tokens_cached": seq.n_cached,
-        "stop_type": stop_type, "stopping_word": seq.stream.stop_hit or "", "truncated": False,
+        "index": result.sample, "content": result.text, "tokens": result.token_ids, "stop": True,
+        "model": reply.model, "tokens_predicted": generated, "tokens_evaluated": result.prompt_tokens, "tokens_cached": result.cached_tokens,
+        "stop_type": stop_type, "stopping_word": result.stop_word or "", "truncated": False,
         "timings": {
-            "cache_n": seq.n_cached, "prompt_n": prompt_n, "prompt_ms": 1000 * prompt_s,
+            "cache_n": result.cached_tokens, "prompt_n": prompt_n, "prompt_ms": 1000 * prompt_s,
             "prompt_per_second": prompt_n / prompt_s if prompt_s > 0 else 0.0,
-            "predicted_n": seq.n_generated, "predicted_ms": 1000 * predicted_s,
-            "predicted_per_second": seq.n_generated / predicted_s if predicted_s > 0 else 0.0,
+            "predicted_n": generated, "predicted_ms": 1000 * predicted_s,
+            "predicted_per_second": generated / predicted_s if predicted_s > 0 else 0.0,
         },
     }
 
@@ -116,16 +117,14 @@ def _fields(result: dict, wanted: list[str] | None) -> dict:
 async def _events(reply: Reply, worker: EngineWorker) -> AsyncIterator[str]:
     """llama-server's stream: a data line per piece ({"content", "stop": false}), then each
     sequence's whole result with "stop": true; a failure is an error event."""
-    by_uid = {seq.uid: seq for seq in reply.submission.sequences}
     try:
         async for event in reply.events(worker):
-            seq = by_uid[event.uid]
             if event.progress is not None:
-                yield sse({"index": seq.sample, "content": "", "stop": False, "prompt_progress": prompt_progress(event.progress)})
-            elif event.finish_reason is not None:
+                yield sse({"index": event.sample, "content": "", "stop": False, "prompt_progress": prompt_progress(event.progress)})
+            elif event.result is not None:
                 reply.raise_if_failed()
-                yield sse({**_result(reply, seq), "content": event.text})
+                yield sse({**_result(reply, event.result), "content": event.text})
             elif event.text:
-                yield sse({"index": seq.sample, "content": event.text, "tokens": [event.token], "stop": False})
+                yield sse({"index": event.sample, "content": event.text, "tokens": [event.token], "stop": False})
     except HTTPException as e:
         yield sse(error_body(e.status_code, str(e.detail)))

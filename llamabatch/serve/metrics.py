@@ -108,9 +108,9 @@ class Metrics:
         for name, seconds in report.first_tokens:
             self.ttft.labels(model, name).observe(seconds)
         self.itl.observe_many(model, report.gaps)
-        for seq in report.finished:
-            self.prompt_tokens.labels(model).inc(seq.n_prompt)
-            self.cached_tokens.labels(model).inc(seq.n_cached)
+        for result in report.finished:
+            self.prompt_tokens.labels(model).inc(result.prompt_tokens)
+            self.cached_tokens.labels(model).inc(result.cached_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

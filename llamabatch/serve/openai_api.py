@@ -12,7 +12,7 @@ from pydantic import Field
 
 from ..chat.conversation import Answer
 from ..embeddings_format import EmbeddingRequest, RerankRequest, embedding_tokens, embeddings_body, rerank_body, rerank_tokens
-from ..engine import BatchEngine
+from ..engine import BatchEngine, Ticket, TokenLogprob
 from ..engine.embedding import Pooling
 from ..openai_format import (
     ChatRequest, CompletionRequest, EngineInputs, NonEmptyStr, SamplingFields, chat_logprobs, check_base_model, choice_index,
@@ -75,15 +75,14 @@ async def _answer(serving: Serving, body: CompletionRequest | ChatRequest, kind:
         return Translated(body, engine_inputs(body, engine, reasoning_budget, serving.fetch), kind, body.shown())
 
     def whole(reply: Reply) -> dict:
-        return response_body(reply.kind, reply.id, reply.created, reply.model, reply.submission.sequences, reply.vocab, reply.shown, reply.answer)
+        return response_body(reply.kind, reply.id, reply.created, reply.model, reply.results, reply.vocab, reply.shown, reply.answer)
 
     return await answer(serving, body.model, body.stream, http, translate, whole, lambda reply, worker: _errors_as_events(chunks(reply, worker)))
 
 
 def _batch_body(reply: Reply) -> dict:
     results = []
-    for seq in reply.submission.sequences:
-        result = seq.result()
+    for result in reply.results:
         results.append({
             "index": result.index, "sample": result.sample, "text": result.text, "finish_reason": result.finish_reason,
             "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens},
@@ -91,11 +90,11 @@ def _batch_body(reply: Reply) -> dict:
                                            "decode_s": result.timings.decode_s},
         })
     return {"id": reply.id, "object": reply.kind, "created": reply.created, "model": reply.model, "results": results,
-            "usage": usage(reply.submission.sequences), "timings": {"wall_s": time.perf_counter() - reply.submission.t_start}}
+            "usage": usage(reply.results), "timings": {"wall_s": time.perf_counter() - reply.submission.t_start}}
 
 
 async def _completion_chunks(reply: Reply, worker: EngineWorker) -> AsyncIterator[str]:
-    by_uid = {seq.uid: seq for seq in reply.submission.sequences}
+    by_uid = {ticket.uid: ticket for ticket in reply.submission.tickets}
     started: set[int] = set()
     async for event in reply.events(worker):
         if event.progress is not None:
@@ -103,38 +102,39 @@ async def _completion_chunks(reply: Reply, worker: EngineWorker) -> AsyncIterato
             continue
         if event.finish_reason is not None:
             reply.raise_if_failed()  # an error event, then [DONE]; the others are cancelled
-        seq = by_uid[event.uid]
-        if seq.uid not in started:  # a choice's first chunk: the prompt, if the request asked for it
-            started.add(seq.uid)
-            for chunk in _prompt_chunk(reply, seq):
+        ticket = by_uid[event.uid]
+        if ticket.uid not in started:  # a choice's first chunk: the prompt, if the request asked for it
+            started.add(ticket.uid)
+            for chunk in _prompt_chunk(reply, ticket, event.prompt_logprobs or ()):
                 yield chunk
         if event.text or event.finish_reason:
-            logprobs = completion_logprobs(seq, [event.logprob] if event.logprob else [], reply.vocab)
-            choice = {"index": choice_index(seq), "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
+            logprobs = completion_logprobs(ticket, [event.logprob] if event.logprob else [], reply.vocab)
+            choice = {"index": choice_index(ticket), "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
             yield _chunk(reply, [choice])
     for chunk in _usage_chunk(reply):
         yield chunk
     yield "data: [DONE]\n\n"
 
 
-def _prompt_chunk(reply: Reply, seq) -> list[str]:
-    """Echo: the prompt's text (with its log-probabilities when asked) ahead of the completion."""
+def _prompt_chunk(reply: Reply, ticket: Ticket, scored: tuple[TokenLogprob, ...]) -> list[str]:
+    """Echo: the prompt's text (with its log-probabilities when asked: `scored`, its first event's)
+    ahead of the completion."""
     shown = reply.shown
     if not shown.echo and shown.prompt_logprobs is None:
         return []
-    choice = {"index": choice_index(seq), "text": seq.prompt if shown.echo else "", "finish_reason": None,
-              "logprobs": completion_logprobs(seq, [], reply.vocab, echo=True) if shown.echo else None}
+    choice = {"index": choice_index(ticket), "text": ticket.prompt if shown.echo else "", "finish_reason": None,
+              "logprobs": completion_logprobs(ticket, [], reply.vocab, scored) if shown.echo else None}
     if shown.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs(seq, reply.vocab, shown.prompt_logprobs)
+        choice["prompt_logprobs"] = prompt_logprobs(scored, reply.vocab, shown.prompt_logprobs)
     return [_chunk(reply, [choice])]
 
 
 async def _chat_chunks(reply: Reply, worker: EngineWorker) -> AsyncIterator[str]:
-    sequences = reply.submission.sequences
-    by_uid = {seq.uid: seq for seq in sequences}
-    streams = {seq.uid: reply.answer.stream() for seq in sequences}  # each choice's reasoning and calls
-    for seq in sequences:
-        first = {"index": seq.sample, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    tickets = reply.submission.tickets
+    by_uid = {ticket.uid: ticket for ticket in tickets}
+    streams = {ticket.uid: reply.answer.stream() for ticket in tickets}  # each choice's reasoning and calls
+    for ticket in tickets:
+        first = {"index": ticket.sample, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         yield _chunk(reply, [first], object="chat.completion.chunk")
     async for event in reply.events(worker):
         if event.progress is not None:
@@ -168,7 +168,7 @@ def _chunk(reply: Reply, choices: list, **extra) -> str:
 
 def _usage_chunk(reply: Reply, **extra) -> list[str]:
     """With stream_options.include_usage: a last chunk, no choices, the whole request's usage."""
-    return [sse(_object(reply, [], usage=usage(reply.submission.sequences), **extra))] if reply.shown.usage_chunk else []
+    return [sse(_object(reply, [], usage=usage(reply.results), **extra))] if reply.shown.usage_chunk else []
 
 
 async def _errors_as_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fastapi import HTTPException, Request as HttpRequest
 
 from ..chat.conversation import Answer
-from ..engine import BatchEngine, Event
+from ..engine import BatchEngine, Event, Result
 from ..openai_format import ChatRequest, EngineInputs, SamplingFields, Shown, failure, new_id
 from .metrics import RequestCounters
 from .worker import EngineWorker, Submission
@@ -42,6 +42,12 @@ class Reply:
         self.id = new_id(self.kind)
         self.created = int(time.time())
         self.n_open = submission.n_open  # counted by the engine thread: those that finish by now still send their events
+        self._ended = {result.uid: result for result in submission.ended}  # and each last event's Result, as it comes
+
+    @property
+    def results(self) -> list[Result]:
+        """The sequences that have ended, in the engine's order (prompts in order, each one's samples together)."""
+        return [self._ended[t.uid] for t in self.submission.tickets if t.uid in self._ended]
 
     async def events(self, worker: EngineWorker, http: HttpRequest | None = None) -> AsyncIterator[Event]:
         """This request's events until every sequence has finished; cancels them if the client
@@ -63,7 +69,9 @@ class Reply:
                 except TimeoutError:
                     continue
                 for event in events:  # one step's
-                    self.n_open -= event.finish_reason is not None
+                    if event.result is not None:
+                        self._ended[event.uid] = event.result
+                        self.n_open -= 1
                     yield event
         finally:
             if self.n_open:
@@ -92,6 +100,6 @@ class Reply:
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
-        verdict = failure(self.submission.sequences)
+        verdict = failure(self.results)
         if verdict is not None:
             raise HTTPException(verdict.status, verdict.message)

@@ -131,7 +131,7 @@ class Serving:
             worker.cancel(submission)  # queued behind the take, should it still come
             failed.inc()
             raise HTTPException(504, f"the engine did not take the request within {self.timeout:g} s") from None
-        verdict = failure(submission.sequences)  # prompts refused at once: empty, too long, a bad constraint
+        verdict = failure(submission.ended)  # prompts refused at once: empty, too long, a bad constraint
         if verdict is not None:
             worker.cancel(submission)
             failed.inc()

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request as
 from pydantic import Field, StrictBool, StrictStr
 
 from ..chat.conversation import Answer
-from ..engine import BatchEngine
+from ..engine import BatchEngine, Result
 from ..errors import LlamabatchError
 from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, usage
 from .dialects import Blocks, answer, sse
@@ -234,7 +234,9 @@ def _call_item(call: dict, status: str = "completed") -> dict:
             "arguments": call["function"]["arguments"], "status": status}
 
 
-def response_object(body: ResponsesRequest, response_id: str, created: float, output: list[dict], status: str, sequences=()) -> dict:
+def response_object(
+    body: ResponsesRequest, response_id: str, created: float, output: list[dict], status: str, results: list[Result] | None = None,
+) -> dict:
     """The response object: in progress (no output yet), or completed or incomplete with its usage."""
     tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters or {"type": "object", "properties": {}},
               "strict": t.strict if t.strict is not None else True} for t in body.tools or ()]
@@ -247,8 +249,8 @@ def response_object(body: ResponsesRequest, response_id: str, created: float, ou
            "background": body.background,
            "text": {"format": {"type": "text"}} if body.text is None else body.text.model_dump(by_alias=True, exclude_none=True),
            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None, "usage": None}
-    if sequences:
-        counted = usage(sequences)
+    if results:
+        counted = usage(results)
         obj["usage"] = {"input_tokens": counted["prompt_tokens"], "output_tokens": counted["completion_tokens"],
                         "total_tokens": counted["total_tokens"],
                         "input_tokens_details": {"cached_tokens": counted["prompt_tokens_details"]["cached_tokens"], "cache_write_tokens": 0},
@@ -281,10 +283,10 @@ def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int
             return Translated(chat, engine_inputs(chat, engine, reasoning_budget, serving.fetch))
 
         async def whole(reply: Reply) -> dict:
-            seq = reply.submission.sequences[0]
-            message = reply.answer.message(seq.text)
-            status = "incomplete" if seq.finish_reason == "length" else "completed"
-            obj = response_object(body, response_id, created, output_items(message), status, reply.submission.sequences)
+            result = reply.results[0]
+            message = reply.answer.message(result.text)
+            status = "incomplete" if result.finish_reason == "length" else "completed"
+            obj = response_object(body, response_id, created, output_items(message), status, reply.results)
             await asyncio.to_thread(keep, body, reply.request, obj, message)
             return obj
 
@@ -310,9 +312,8 @@ def responses_routes(serving: Serving, authorized, errors, reasoning_budget: int
                 return
             for chunk in items.close():
                 yield chunk
-            seq = reply.submission.sequences[0]
-            status = "incomplete" if seq.finish_reason == "length" else "completed"
-            obj = response_object(body, response_id, created, items.items, status, reply.submission.sequences)
+            status = "incomplete" if reply.results[0].finish_reason == "length" else "completed"
+            obj = response_object(body, response_id, created, items.items, status, reply.results)
             await asyncio.to_thread(keep, body, reply.request, obj, Answer.assembled(deltas))
             yield items.send(f"response.{status}", response=obj)
 

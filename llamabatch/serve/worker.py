@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ..engine import BatchEngine, Event, SamplingParams, Sequence
+from ..engine import BatchEngine, Event, Result, SamplingParams, Sequence, Ticket
 from ..engine.embedding import Pooling
 from ..engine.snapshot import IDLE, EngineFacts, EngineSnapshot
 from ..errors import EngineBroken, LlamabatchError
@@ -69,11 +69,14 @@ class EngineUnavailable(LlamabatchError):
 
 @dataclass(eq=False)
 class Submission:
-    """One caller's sequences, and the queue their events arrive on (a list per step)."""
+    """One caller's sequences as tickets, and the queue their events arrive on (a list per step);
+    the last event of each carries its Result. What the engine thread hands over is immutable:
+    nothing on the caller's side touches a Sequence."""
 
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[list[Event]] = field(default_factory=asyncio.Queue)
-    sequences: list[Sequence] = field(default_factory=list)
+    tickets: tuple[Ticket, ...] = ()  # in the engine's order: prompts in order, each prompt's n samples together
+    ended: tuple[Result, ...] = ()  # the sequences that ended as they were taken (refused; max_tokens 0)
     submitted: asyncio.Future | None = None  # resolves once the engine has taken the prompts
     n_open: int = 0  # sequences that will send events: counted when taken, before any step runs
     t_start: float = field(default_factory=time.perf_counter)
@@ -102,7 +105,7 @@ class StepReport:
     tokens: dict[str, int] = field(default_factory=dict)  # tokens sampled, by priority class
     first_tokens: list[tuple[str, float]] = field(default_factory=list)  # (class, seconds since submitted) of each first token
     gaps: list[float] = field(default_factory=list)  # seconds since each sequence's previous token
-    finished: list[Sequence] = field(default_factory=list)
+    finished: list[Result] = field(default_factory=list)  # the sequences it ended
 
 
 @dataclass
@@ -311,7 +314,7 @@ class EngineWorker:
         self._drain_inbox(block=False)
         for submission, seq in list(self._owners.values()):
             event = (self.engine.cancel(seq, reason) if cancel else None) or self.engine.abandon(seq, reason)
-            self._forget(seq)
+            self._forget(event)
             submission.loop.call_soon_threadsafe(submission.events.put_nowait, [event])
         for pooling in self._pooling:
             pooling.loop.call_soon_threadsafe(_resolve, pooling.done, EngineUnavailable(reason))
@@ -364,9 +367,10 @@ class EngineWorker:
             submission.loop.call_soon_threadsafe(_resolve, submission.submitted, e)
             return
         self.engine.publish()
-        submission.sequences = sequences
+        submission.tickets = tuple(seq.ticket() for seq in sequences)
+        submission.ended = tuple(seq.result() for seq in sequences if seq.finish_reason is not None)  # refused, or max_tokens 0
         for seq in sequences:
-            if seq.finish_reason is None:  # not refused, and not done at once (max_tokens 0)
+            if seq.finish_reason is None:
                 self._owners[seq.uid] = (submission, seq)
                 submission.n_open += 1
         submission.loop.call_soon_threadsafe(_resolve, submission.submitted, None)
@@ -374,10 +378,10 @@ class EngineWorker:
     def _cancel(self, submission: Submission) -> None:
         if self.broken is not None:  # its sequences have failed already
             return
-        for seq in submission.sequences:
+        for seq in [seq for owner, seq in list(self._owners.values()) if owner is submission]:
             event = self.engine.cancel(seq)
             if event is not None:
-                self._forget(seq)
+                self._forget(event)
                 submission.loop.call_soon_threadsafe(submission.events.put_nowait, [event])
 
     def _run_pooling(self) -> None:
@@ -452,18 +456,20 @@ class EngineWorker:
         if event.finish_reason is not None:
             if event.finish_reason == "error":
                 self._failed(seq.priority_class, event.error or "error")
-            self._forget(seq, report)
+            self._forget(event, report)
 
     def _failed(self, where: str, message: str) -> None:
         self.failures = (*self.failures, Failure(time.time(), where, message))[-RECENT_FAILURES:]
 
-    def _forget(self, seq: Sequence, report: StepReport | None = None) -> None:
-        self._owners.pop(seq.uid, None)
-        self._last_token_at.pop(seq.uid, None)
+    def _forget(self, last: Event, report: StepReport | None = None) -> None:
+        """A sequence's last event (it carries its Result) is out: the worker holds it no more."""
+        assert last.result is not None, "a last event carries its sequence's result"
+        self._owners.pop(last.uid, None)
+        self._last_token_at.pop(last.uid, None)
         if report is None:  # outside a step (cancelled, the engine broke): a report of its own
-            self.observer.on_step(StepReport(0, 0.0, finished=[seq]))
+            self.observer.on_step(StepReport(0, 0.0, finished=[last.result]))
         else:
-            report.finished.append(seq)
+            report.finished.append(last.result)
 
 
 def _put_each(lists: dict[Submission, list[Event]]) -> None:
