@@ -66,9 +66,12 @@ def test_greedy_tokens_equal_llama_mtmd_cli(chat_model, audio_projector, tmp_pat
 
 def test_a_clip_asked_about_three_times_is_encoded_once(chat_model, audio_projector):
     with BatchEngine(chat_model, mmproj=audio_projector, n_parallel=3, n_ctx=4096, chat=True) as engine:
+        counted = engine.prompt_length(MediaPrompt("what", (TONE,)))  # (from the clip's length: nothing encoded)
+        assert engine.media_encoded == 0
         results = engine.generate([MediaPrompt(q, (TONE,)) for q in ("what", "why", "who")], greedy(4))
         assert engine.media_encoded == 1
     assert [r.finish_reason for r in results] == ["length"] * 3
+    assert results[0].prompt_tokens == counted
     assert all(r.prompt_tokens > 750 for r in results)  # a 30-second piece is 750 positions
 
 

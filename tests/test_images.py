@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from llamabatch.engine import BatchEngine, MediaPrompt, SamplingParams, Status
-from llamabatch.errors import ModelError
+from llamabatch.errors import ModelError, PromptError
 from llamabatch.measure.sweep import native_tool
 from conftest import native_built
 from tiny_model import FAMILIES, write_tiny_family, write_tiny_model, write_tiny_projector
@@ -73,6 +73,22 @@ def test_a_shared_image_is_encoded_once_and_read_once(engine):
     assert engine.media_encoded - encoded == 1
     assert engine.stats.media_read - read == 1
     assert all(r.cached_tokens > 4 for r in results[1:])  # the image's 4 positions among what each copied
+
+
+def test_a_prompt_s_length_counts_its_image_without_encoding_it(engine):
+    """prompt_length (a job's estimate, Anthropic's count_tokens) cuts the image as the projector
+    will, and encodes nothing: the positions equal those the prompt then fills."""
+    photo, prompt = png((7, 8, 9), (64, 48)), "how many positions"
+    encoded = engine.media_encoded
+    counted = engine.prompt_length(MediaPrompt(prompt, (photo,)))
+    assert engine.media_encoded == encoded
+    seq, = engine.submit([MediaPrompt(prompt, (photo,))], greedy(1))
+    assert engine.media_encoded == encoded + 1
+    for _ in engine.run():
+        pass
+    assert counted == seq.n_prompt > 4
+    with pytest.raises(PromptError, match="image 1: not an image"):
+        engine.prompt_length(MediaPrompt(prompt, (b"not an image",)))
 
 
 def test_a_bad_image_fails_alone(engine):

@@ -145,9 +145,9 @@ class BatchEngine:
         return self.intake.tokenize_prompt(prompt)
 
     def prompt_length(self, prompt: PromptInput) -> int:
-        """The positions a prompt fills as the engine decodes it (an image's as its projector
-        makes them: it is encoded to know)."""
-        return len(self.intake.positions(prompt))
+        """The positions a prompt fills as the engine decodes it (an image's or a clip's as its
+        projector cuts it, counted without encoding it)."""
+        return self.intake.n_positions(prompt)
 
     @property
     def media_encoded(self) -> int:

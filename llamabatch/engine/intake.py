@@ -13,6 +13,7 @@ from .sampling.chain import build_sampler
 from .config import EngineConfig
 from .sampling.constraints import Constraint, Grammars
 from .media import MediaSpan, token_list
+from .native.projector import Projector
 from .runtime import Runtime
 from .sampling.params import SamplingParams
 from .scheduling.scheduler import Scheduler
@@ -174,29 +175,35 @@ class Intake:
     def media_prompt(self, shown: MediaPrompt) -> Prompt:
         """The prompt read by the projector: its text tokens, its images and clips encoded
         (PromptError for one that cannot be, or a model without a projector)."""
-        prompt, media = shown.text, list(shown.media)
+        projector, prompt, text, add_special = self._projected(shown)
+        tokens, spans = token_list(projector.read(text, list(shown.media), add_special), self.vocab.n_vocab)
+        return Prompt(prompt, tokens, spans)
+
+    def _projected(self, shown: MediaPrompt) -> tuple[Projector, str, str, bool]:
+        """The projector; the prompt with its media markers placed; the text the projector reads
+        (the chat template applied); and whether BOS goes first."""
+        prompt = shown.text
         projector = self.runtime.projector
         if projector is None:
             raise PromptError(f"{self.runtime.model.path.name} was loaded without a projector: images and audio need --mmproj (or mmproj in models.toml)")
         if projector.marker not in prompt:  # as llama-mtmd-cli: the media first
-            prompt = projector.marker * len(media) + prompt
+            prompt = projector.marker * len(shown.media) + prompt
         if shown.templated:
-            text, add_special = prompt, self.runtime.chat is None or self.runtime.chat.adds_bos(prompt)
-        elif self.config.chat:
+            return projector, prompt, prompt, self.runtime.chat is None or self.runtime.chat.adds_bos(prompt)
+        if self.config.chat:
             text = self.chat_prompt([{"role": "user", "content": prompt}]).text
-            add_special = self.runtime.chat.adds_bos(text)
-        else:
-            text, add_special = prompt, True
-        tokens, spans = token_list(projector.read(text, media, add_special), self.vocab.n_vocab)
-        return Prompt(prompt, tokens, spans)
+            return projector, prompt, text, self.runtime.chat.adds_bos(text)
+        return projector, prompt, prompt, True
 
-    def positions(self, prompt: PromptInput) -> list[int]:
-        """BatchEngine.prompt_length's tokens (an image's or a clip's positions as placeholders)."""
+    def n_positions(self, prompt: PromptInput) -> int:
+        """BatchEngine.prompt_length: the positions it fills, an image's and a clip's counted from
+        their sizes without encoding them."""
         if isinstance(prompt, MediaPrompt):
-            return self.media_prompt(prompt).tokens
+            projector, _, text, add_special = self._projected(prompt)
+            return projector.count(text, list(prompt.media), add_special)
         if isinstance(prompt, Prompt):
-            return prompt.tokens
-        return self.tokenize_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+            return len(prompt.tokens)
+        return len(self.tokenize_prompt(prompt) if isinstance(prompt, str) else prompt)
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         if self.config.chat:

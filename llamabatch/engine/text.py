@@ -42,13 +42,13 @@ class TextStream:
 
     def push(self, piece: bytes) -> str:
         """Add one token's bytes; return the newly shown text (maybe empty)."""
-        if self._whole:
+        if not self._whole or (len(piece) == 1 and piece[0] > 0x7F):  # within a character, or a lone byte of one
+            new = self._decode(piece)  # (not decode() first: its exception costs 0.4 µs, a byte token's whole cost twice)
+        else:
             try:  # most pieces are whole characters: a third of the incremental decoder's cost
                 new = piece.decode()
-            except UnicodeDecodeError:  # a split character (or bad bytes)
+            except UnicodeDecodeError:  # a piece that ends within a character (or bad bytes)
                 new = self._decode(piece)
-        else:
-            new = self._decode(piece)
         if self._plain:  # the common case, inline: a push per token of every sequence
             if new:
                 self._shown.append(new)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +99,19 @@ class Projector(_Owner):
         """The prompt's text tokens and its images and clips, encoded, in order: each marker in
         `text` is the next one. One libmtmd cannot decode, or this projector does not read, is
         refused (PromptError), naming which."""
+        with self._chunks(text, media, add_special) as chunks:
+            return [self._piece(chunk) for chunk in chunks]
+
+    def count(self, text: str, media: list[bytes], add_special: bool) -> int:
+        """The positions read() would fill, from the images' sizes and the clips' lengths, without
+        encoding any (a job's estimate reads every image of it)."""
+        with self._chunks(text, media, add_special) as chunks:
+            return sum(mtmd.mtmd_input_chunk_get_n_tokens(chunk) for chunk in chunks)
+
+    @contextmanager
+    def _chunks(self, text: str, media: list[bytes], add_special: bool) -> Iterator[list]:
+        """libmtmd's chunks of the prompt (text, and each image or clip decoded and cut to the
+        projector's sizes), freed after the block; the lock held throughout."""
         if text.count(self.marker) != len(media):
             raise PromptError(f"the prompt has {text.count(self.marker)} media markers for {len(media)} images and clips (each {self.marker} is the next one)")
         kinds = [self._kind(data) for data in media]
@@ -112,7 +127,7 @@ class Projector(_Owner):
                 code = mtmd.mtmd_tokenize(self.handle, chunks, ctypes.byref(words), array, len(bitmaps))
                 if code != 0:
                     raise PromptError(f"the projector could not read the prompt with its images and clips (libmtmd's mtmd_tokenize returned {code})")
-                return [self._piece(mtmd.mtmd_input_chunks_get(chunks, i)) for i in range(mtmd.mtmd_input_chunks_size(chunks))]
+                yield [mtmd.mtmd_input_chunks_get(chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks))]
             finally:
                 mtmd.mtmd_input_chunks_free(chunks)
                 for bitmap in bitmaps:
