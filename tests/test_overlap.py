@@ -108,3 +108,24 @@ def test_constrained_rows_beside_free_ones_and_drafts_give_the_plain_orders_toke
     engine = make_engine(overlap="on", **settings)
     assert outputs(engine, params) == expected
     assert (engine.stats.decodes_ahead > 0) == (not settings)
+
+
+@pytest.mark.real_model
+def test_sliding_window_memory_past_its_window_is_cut_past_a_stop_string(make_engine):
+    """The default model, Gemma 3, attends within 512 positions in most layers: four streams past
+    that window, ending on stop strings, with steps decoded ahead: the token decoded past each
+    stop is cut from its memory there too, which then holds exactly the slot's cached prefix."""
+    engine = make_engine("gemma3-270m", overlap="on", n_ctx=4096, n_ubatch=64)
+    assert engine.memory.caps.n_swa == 512 and engine.stepper.runs_ahead
+    prompts = [p + " The tide came in and went out again." * 60 for p in PROMPTS[:4]]
+    base = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True) for _ in prompts]
+    free = engine.generate(prompts, base)
+    assert all(r.prompt_tokens > 512 for r in free)
+    params = [SamplingParams(**{**p.__dict__, "stop": (r.text[12:15],)}) for p, r in zip(base, free)]
+    engine.reset_stats()
+    results = engine.generate(prompts, params)
+    assert all(r.finish_reason == "stop" for r in results)
+    assert engine.stats.decodes_ahead > 0
+    for seq_id in range(4):
+        slot = engine.scheduler.slots.free_slot(seq_id)
+        assert engine.memory.held(seq_id) == len(slot.cached)
