@@ -131,11 +131,11 @@ def test_a_projector_that_is_not_one_is_refused_at_load(tiny_model, tmp_path):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_images_on_every_family(arch, tmp_path, projector):
     """Recurrent and hybrid memory take an image's embeddings as a prompt's tokens: three
-    sequences, two showing the same image, beside a text one. Qwen3.5 places positions with
-    M-RoPE, which llamabatch does not decode yet: refused at load, saying so."""
+    sequences, two showing the same image, beside a text one. Qwen3.5 places images with
+    M-RoPE, which llamabatch reads into attention memory only: refused at load, saying so."""
     model = write_tiny_family(tmp_path / f"{arch}.gguf", arch)
     if arch == "qwen35":
-        with pytest.raises(ModelError, match="M-RoPE"):
+        with pytest.raises(ModelError, match="M-RoPE .* only into attention memory, not hybrid memory"):
             BatchEngine(model, mmproj=projector, n_parallel=1, n_ctx=512)
         return
     with BatchEngine(model, mmproj=projector, n_parallel=3, n_ctx=1536) as engine:

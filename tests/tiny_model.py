@@ -81,8 +81,11 @@ def write_tiny_model(
     diffusion: bool = False,
     fim: bool = False,
     controls: tuple[str, ...] = (),
+    mrope: bool = False,
 ) -> Path:
-    """Write a tiny F32 llama model (with `diffusion`, Dream's: the same tensors, attending both ways). `always_eos` makes EOS the greedy choice at every step;
+    """Write a tiny F32 llama model (with `diffusion`, Dream's: the same tensors, attending both
+    ways; with `mrope`, Qwen2-VL's text model: the same tensors, rotated by M-RoPE's four
+    sections, which positions past an image tell apart). `always_eos` makes EOS the greedy choice at every step;
     `pieces` are the word pieces after the byte tokens; `pooling` (a llama_pooling_type) is
     written as the model's embedding pooling. `rank_head` writes a reranker instead: the qwen3
     architecture (llama's, with per-head norms), rank pooling and a two-label classifier
@@ -108,9 +111,11 @@ def write_tiny_model(
     def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    arch = "qwen3" if rank_head else "dream" if diffusion else "llama"
+    arch = "qwen3" if rank_head else "dream" if diffusion else "qwen2vl" if mrope else "llama"
     w = GGUFWriter(str(path), arch)
     w.add_name(f"tiny-test-{arch}")
+    if mrope:  # time, rows, columns, unused: a rotated head's n_embd / n_head / 2 pairs among them
+        w.add_rope_dimension_sections([2, 3, 3, 0])
     if rank_head:
         pooling = 4  # rank
         w.add_classifier_output_labels(["yes", "no"])
@@ -397,6 +402,49 @@ def write_tiny_projector(
     w.add_tensor("mm.0.weight", weight(n_embd_text, n_embd, scale=1.0))
     w.add_tensor("mm.0.bias", np.zeros(n_embd_text, np.float32))
     w.add_tensor("mm.2.weight", weight(n_embd_text, n_embd_text, scale=1.0))
+    w.add_tensor("mm.2.bias", np.zeros(n_embd_text, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_tiny_qwen2vl_projector(
+    path: Path, *, n_embd_text: int = 64, n_embd: int = 32, n_layer: int = 2, n_head: int = 4, n_ff: int = 64,
+    patch_size: int = 14, seed: int = 0,
+) -> Path:
+    """Write a tiny projector of Qwen2-VL's kind, as clip.cpp loads it ("qwen2vl_merger": two
+    patch convolutions added, a ViT rotated by M-RoPE, each 2×2 of patches merged into one row by
+    two linear layers): an image is resized to a grid of 28-pixel cells, a row each, which the
+    text model reads at M-RoPE positions (time, row, column), max(rows, columns) of them."""
+    rng = np.random.default_rng(seed)
+
+    def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    w = GGUFWriter(str(path), "clip")
+    w.add_name("tiny-test-qwen2vl-projector")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", "qwen2vl_merger")
+    w.add_bool("clip.use_gelu", True)
+    for key, value in (("image_size", 560), ("patch_size", patch_size), ("embedding_length", n_embd),
+                       ("feed_forward_length", n_ff), ("block_count", n_layer), ("projection_dim", n_embd_text),
+                       ("attention.head_count", n_head)):
+        w.add_uint32(f"clip.vision.{key}", value)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w.add_file_type(0)  # all F32
+    w.add_tensor("v.patch_embd.weight", weight(n_embd, 3, patch_size, patch_size))
+    w.add_tensor("v.patch_embd.weight.1", weight(n_embd, 3, patch_size, patch_size))  # the second frame's
+    _vit_blocks(w, "v", weight, n_layer, n_embd, n_ff)
+    w.add_tensor("v.post_ln.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("v.post_ln.bias", np.zeros(n_embd, np.float32))
+    # The merger: 2×2 patches' features in, the text model's embeddings out, at their scale.
+    w.add_tensor("mm.0.weight", weight(4 * n_embd, 4 * n_embd, scale=0.5))
+    w.add_tensor("mm.0.bias", np.zeros(4 * n_embd, np.float32))
+    w.add_tensor("mm.2.weight", weight(n_embd_text, 4 * n_embd, scale=1.0))
     w.add_tensor("mm.2.bias", np.zeros(n_embd_text, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -25,6 +25,43 @@ class MediaSpan:
     def end(self) -> int:
         return self.start + self.image.n_tokens
 
+    @property
+    def lost(self) -> int:
+        """Cells it fills beyond its positions (M-RoPE's grid: n_tokens cells, max(rows, columns)
+        positions); 0 for an image laid out one position a cell."""
+        return self.image.n_tokens - self.image.n_pos
+
+
+def position(spans: tuple[MediaSpan, ...], n: int) -> int:
+    """Where token n of a sequence with these images sits: n, less what each M-RoPE image before
+    it lost (a token within an image: where the image starts; all its cells hold that position)."""
+    lost = 0
+    for span in spans:
+        if n < span.end:
+            return min(n, span.start) - lost if span.lost else n - lost
+        lost += span.lost
+    return n - lost
+
+
+def cells_through(spans: tuple[MediaSpan, ...], last: int) -> int:
+    """How many leading tokens a sequence with these images holds when the last position its
+    memory holds is `last` (-1: none): position()'s inverse, an M-RoPE image counted whole."""
+    lost = 0
+    for span in spans:
+        first = span.start - lost
+        if last < first:
+            break
+        if span.lost and last < first + span.image.n_pos:
+            return span.end
+        lost += span.lost
+    return last + 1 + lost
+
+
+def whole(spans: tuple[MediaSpan, ...], n: int) -> int:
+    """n, or where the M-RoPE image it cuts into starts: such an image's cells all hold one
+    position, so memory is cut before it or after it, never within."""
+    return next((span.start for span in spans if span.lost and span.start < n < span.end), n)
+
 
 def placeholders(image: Encoded, n_vocab: int) -> list[int]:
     """The token ids an image's positions take in its sequence's token list."""

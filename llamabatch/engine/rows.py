@@ -54,25 +54,26 @@ def lay_out(step: Step, fillers: list[Filler], filler_logits: bool) -> tuple[Col
             others |= filler_logits
             continue
         start = row.n_past
+        p = row.position(start) if row.shift else start  # its position: start, unless M-RoPE images came before
         first.append(len(tokens))
         if row.draft:  # its last token and the drafts after it, each with logits to verify it
             others = True
             n = 1 + len(row.draft)
             tokens.append(row.tokens[start])
             tokens += row.draft
-            pos += range(start, start + n)
+            pos += range(p, p + n)
             seq_ids += [row.seq_id] * n
             logits += [1] * n
             last.append(len(tokens) - 1)
             continue
         if n == 1:  # most rows are one token (decoding): no slices and ranges for them
             tokens.append(row.tokens[start])
-            pos.append(start)
+            pos.append(p)
             seq_ids.append(row.seq_id)
             logits.append(0)
         else:
             tokens += row.tokens[start : start + n]
-            pos += range(start, start + n)
+            pos += range(p, p + n)
             seq_ids += [row.seq_id] * n
             logits += [0] * n
         scored = row.scored_rows(start, n)
@@ -91,7 +92,8 @@ def lay_out(step: Step, fillers: list[Filler], filler_logits: bool) -> tuple[Col
 
 
 def lay_out_decodes(step: Step) -> tuple[list[int], list[int], list[int]]:
-    """The batch of a plain step: each sequence's newest token at its n_past, every row with
-    logits, so row k of the output is rows[k]'s."""
+    """The batch of a plain step: each sequence's newest token at its position (n_past, less
+    the shift of its M-RoPE images, all before it), every row with logits, so row k of the
+    output is rows[k]'s."""
     rows = step.rows
-    return [seq.tokens[-1] for seq in rows], [seq.n_past for seq in rows], [seq.seq_id for seq in rows]
+    return [seq.tokens[-1] for seq in rows], [seq.n_past - seq.shift for seq in rows], [seq.seq_id for seq in rows]

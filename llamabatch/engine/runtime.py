@@ -98,7 +98,11 @@ class Runtime:
             return None, None
         projector = Projector(Path(cfg.mmproj), self.model, cfg.n_threads, offload=cfg.mmproj_offload)
         try:
-            return projector, Batch(self.ctx.n_batch, projector.n_embd)
+            if projector.mrope and self.memory.caps.family is not Family.ATTENTION:
+                # Its images fill fewer positions than cells; checkpoints and windows count positions as cells.
+                raise ModelError(f"this model places images with M-RoPE (Qwen-VL's grid of positions), which llamabatch "
+                                 f"reads only into attention memory, not {self.memory.caps.family.value} memory")
+            return projector, Batch(self.ctx.n_batch, projector.n_embd, n_pos_per_row=4 if projector.mrope else 1)
         except BaseException:
             projector.close()
             raise

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .adapters import BASE, AdapterSet
-from .media import MediaSpan
+from .media import MediaSpan, position
 from .sampling.thinking import Thought
 from .results import PromptScore, Result, Ticket, Timings, TokenLogprob
 from .sampling.samplers import GreedySampler, RowSampler
@@ -83,6 +83,9 @@ class Sequence:
     priority_class: str = "interactive"
     adapters: AdapterSet = BASE  # the LoRA adapters it decodes under (its KV is theirs)
     media: tuple[MediaSpan, ...] = ()  # its prompt's images, in order: their positions are read apart from the step
+    # Cells its M-RoPE images fill beyond their positions: its generated tokens sit this far before
+    # their index (0 for every other sequence). Set once, from its media.
+    shift: int = field(init=False)
     swapped: bytes | None = None  # its KV (n_past positions), saved to host memory while preempted
     finish_reason: str | None = None  # "stop", "length", "error" or "cancelled"
     error: str | None = None
@@ -94,6 +97,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.stream = TextStream(self.params.stop, self.params.n_indent)
+        self.shift = sum(span.lost for span in self.media)
 
     # -- the one writer of its status, place in memory, leader, draft and end ----------------
 
@@ -163,6 +167,10 @@ class Sequence:
     def text(self) -> str:
         """Its text so far (cut at a stop string)."""
         return self.stream.text
+
+    def position(self, n: int) -> int:
+        """Where its token n sits: n, unless an M-RoPE image comes before it (media.position)."""
+        return position(self.media, n) if self.shift else n
 
     def media_at(self) -> MediaSpan | None:
         """The image (or clip) its next position is in, if it is in one: at its start, or past

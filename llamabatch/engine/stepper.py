@@ -213,7 +213,8 @@ class Stepper:
                 done = seq.n_past - span.start
                 n = span.image.n_tokens - done if left is None or span.image.non_causal else min(span.image.n_tokens - done, left)
                 if n > 0:
-                    parts.append((seq, span, Placed(span.image.embeddings[done : done + n], span.image.non_causal, seq.seq_id, seq.n_past)))
+                    positions = span.image.positions(seq.position(span.start))[:, done : done + n]
+                    parts.append((seq, span, Placed(span.image.embeddings[done : done + n], span.image.non_causal, seq.seq_id, seq.n_past, positions)))
                     left = None if left is None else left - n
             if not parts:
                 break

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ...errors import LlamabatchError
+from ..media import MediaSpan, cells_through, position, whole
 from ..native.handles import Context, Model
 from ..sequence import Sequence
 
@@ -194,8 +195,8 @@ class Checkpoints:
 class Memory:
     """The sequences' memory in one context, and every change made to it.
 
-    Callers say what they want a stream (a seq_id) to hold: its first n positions, a copy of
-    another's prefix. The answer is what it holds now, which may be less: the positions after it
+    Callers say what they want a stream (a seq_id) to hold: its first n tokens (its first n
+    positions, except past an M-RoPE image: grids), a copy of another's prefix. The answer is what it holds now, which may be less: the positions after it
     must be decoded again. A refusal by llama.cpp is never ignored. The sequence-level operations
     (resume, share, swap_out) keep each Sequence's n_past in step with its stream."""
 
@@ -206,6 +207,9 @@ class Memory:
         self.swapped_bytes = 0  # memory of preempted sequences held in host memory
         self.restored = 0  # checkpoints put back (prefix reuse, rejected drafts)
         self.rolled_back = 0  # rejected tokens undone through llama.cpp's snapshots
+        # The images of streams holding M-RoPE images, whose cells outnumber their positions:
+        # what they hold and where they are cut is counted in tokens through them (media.position).
+        self.grids: dict[int, tuple[MediaSpan, ...]] = {}
 
     @property
     def checkpointing(self) -> bool:
@@ -219,7 +223,8 @@ class Memory:
         """A sequence just admitted to its slot: a preempted one gets the memory it had swapped out
         (or starts over, if it no longer fits); any other keeps what the memory allows of the
         prefix the scheduler matched in the slot's cache (seq.n_past): all of it, or up to a
-        checkpoint. Where the prompt parts from the cached one, a checkpoint will be taken."""
+        checkpoint. Where the prompt parts from the cached one, a checkpoint will be taken. Its
+        stream counts positions as it does already (place)."""
         if seq.swapped is not None:
             held = self.restore(seq.seq_id, seq.swapped)
             self.drop_swap(seq)
@@ -235,6 +240,19 @@ class Memory:
                 self.checkpoint(seq.seq_id)  # (the cut worked: the window still reached, or a checkpoint was there)
             else:
                 seq.checkpoint_at = matched  # its prefill stops here for one
+
+    def place(self, seq: Sequence) -> None:
+        """Its stream counts positions as it does from now on: one a token, or through its M-RoPE
+        images (what the stream kept from the slot's last sequence agrees with it up to where
+        their tokens part, the only part kept)."""
+        if seq.shift:
+            self.grids[seq.seq_id] = seq.media
+        else:
+            self.grids.pop(seq.seq_id, None)
+
+    def shifted(self, seq_id: int) -> bool:
+        """Whether the stream holds M-RoPE images (its positions are fewer than its tokens)."""
+        return seq_id in self.grids
 
     def reusable(self, seq_id: int, n: int) -> int:
         """How many of the stream's first n positions truncate() would keep (nothing is changed)."""
@@ -295,8 +313,15 @@ class Memory:
     # -- streams --------------------------------------------------------------------------
 
     def held(self, seq_id: int) -> int:
-        """Positions the stream holds (0 .. held - 1)."""
-        return self.ctx.seq_pos_max(seq_id) + 1
+        """Tokens the stream holds (its first `held`)."""
+        last = self.ctx.seq_pos_max(seq_id)
+        grid = self.grids.get(seq_id)
+        return last + 1 if grid is None else cells_through(grid, last)
+
+    def _remove_from(self, seq_id: int, n: int) -> bool:
+        """llama.cpp removes the stream's tokens from n on (False: it refused)."""
+        grid = self.grids.get(seq_id)
+        return self.ctx.seq_rm(seq_id, n if grid is None else position(grid, n))
 
     def clear(self, seq_id: int) -> None:
         if not self.ctx.seq_rm(seq_id):
@@ -325,7 +350,7 @@ class Memory:
         if n >= held:
             return held
         if not self.caps.can_cut and held - n < decoded and held - n <= self.caps.rollback and n > 0:
-            if self.ctx.seq_rm(seq_id, n):
+            if self._remove_from(seq_id, n):
                 self.checkpoints.drop_after(seq_id, n)
                 self.rolled_back += 1
                 return n
@@ -344,7 +369,9 @@ class Memory:
         if n <= 0:
             return 0
         if self.ctx.kv_unified:
-            self.ctx.seq_cp(src, dst, 0, n)  # shared cells: only which sequences own them changes
+            n = self._whole(src, n)
+            grid = self.grids.get(src)  # shared cells: only which sequences own them changes
+            self.ctx.seq_cp(src, dst, 0, n if grid is None else position(grid, n))
         else:
             self.ctx.seq_cp(src, dst)  # per-sequence buffers are copied whole (llama.cpp copies no part)
         self.checkpoints.inherit(src, dst, n)
@@ -377,10 +404,16 @@ class Memory:
     def _cut(self, seq_id: int, n: int) -> int:
         if self.caps.family is Family.SLIDING_WINDOW and not self._reaches(self.ctx.seq_pos_min(seq_id), n):
             return self._rewind(seq_id, n)  # the window moved past n: back to a checkpoint of it, if any
-        if not self.ctx.seq_rm(seq_id, n):
+        n = self._whole(seq_id, n)
+        if not self._remove_from(seq_id, n):
             raise MemoryRefused(f"llama.cpp refused to cut sequence {seq_id} at position {n} ({self.caps.family.value} memory)")
         self.checkpoints.drop_after(seq_id, n)
         return n
+
+    def _whole(self, seq_id: int, n: int) -> int:
+        """n, or the start of the M-RoPE image it would cut into (media.whole)."""
+        grid = self.grids.get(seq_id)
+        return n if grid is None else whole(grid, n)
 
     def _reaches(self, pos_min: int, n: int) -> bool:
         """Whether windowed layers holding positions from pos_min on hold those a token at n attends to."""
@@ -391,7 +424,7 @@ class Memory:
         attention part cut there), or to nothing."""
         checkpoint = self.checkpoints.best(seq_id, n)
         if checkpoint is not None and self.ctx.set_state(seq_id, checkpoint.data, partial=True):
-            if self.ctx.seq_rm(seq_id, checkpoint.n_tokens) and self.held(seq_id) == checkpoint.n_tokens:
+            if self._remove_from(seq_id, checkpoint.n_tokens) and self.held(seq_id) == checkpoint.n_tokens:
                 self.checkpoints.drop_after(seq_id, checkpoint.n_tokens)
                 self.restored += 1
                 return checkpoint.n_tokens

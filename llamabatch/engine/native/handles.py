@@ -428,19 +428,26 @@ class Batch(_Owner):
     few slice assignments. Each row's seq_id pointer is aimed at our own contiguous array (one
     sequence per row), so seq_ids are one slice too; llama_batch_init's own per-row arrays are
     put back before llama_batch_free frees them. With n_embd its rows are embeddings (an
-    image's: native.projector.decode_images), not tokens."""
+    image's: native.projector.decode_images), not tokens, with n_pos_per_row positions each
+    (M-RoPE's four: pos aims at our own array then, put back before the free as seq_id's are)."""
 
     kind = "batch"
 
-    def __init__(self, capacity: int, n_embd: int = 0) -> None:
+    def __init__(self, capacity: int, n_embd: int = 0, n_pos_per_row: int = 1) -> None:
         struct = llama_cpp.llama_batch_init(capacity, n_embd, 1)
         super().__init__(struct)
         self.capacity = capacity
+        self.n_pos_per_row = n_pos_per_row
         if n_embd:
             self.embd = np.ctypeslib.as_array(struct.embd, shape=(capacity, n_embd))
         else:
             self.token = np.ctypeslib.as_array(struct.token, shape=(capacity,))
-        self.pos = np.ctypeslib.as_array(struct.pos, shape=(capacity,))
+        self._malloced_pos = ctypes.cast(struct.pos, ctypes.c_void_p).value  # an address: the field itself changes
+        if n_pos_per_row == 1:
+            self.pos = np.ctypeslib.as_array(struct.pos, shape=(capacity,))
+        else:
+            self.pos = np.zeros(capacity * n_pos_per_row, dtype=np.int32)
+            struct.pos = self.pos.ctypes.data_as(type(struct.pos))
         self.logits = np.ctypeslib.as_array(struct.logits, shape=(capacity,))
         np.ctypeslib.as_array(struct.n_seq_id, shape=(capacity,))[:] = 1
         self.seq_id = np.zeros(capacity, dtype=np.int32)
@@ -452,6 +459,7 @@ class Batch(_Owner):
 
     def _free(self, struct) -> None:
         self._row_pointers[:] = self._malloced  # llama_batch_free frees what llama_batch_init allocated
+        struct.pos = ctypes.cast(self._malloced_pos, type(struct.pos))
         llama_cpp.llama_batch_free(struct)
 
     @property

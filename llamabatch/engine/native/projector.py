@@ -44,15 +44,28 @@ def is_audio(data: bytes) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class Encoded:
-    """One image or audio clip as the text model takes it: a row of embeddings per position it fills."""
+    """One image or audio clip as the text model takes it: a row of embeddings per KV cell it fills."""
 
     key: str  # libmtmd's id for it: a hash of its file's bytes
     embeddings: np.ndarray  # (n_tokens, n_embd) float32
     non_causal: bool  # its positions attend to each other both ways (Gemma 3's images)
+    # M-RoPE (Qwen2-VL and kin): an image's rows sit on a grid of positions (time, row, column,
+    # unused), each row's four at `base + first * moves` for an image starting at position
+    # `first`; the positions after it begin n_pos on, fewer than its rows. None: one position a row.
+    n_pos: int
+    base: np.ndarray | None = None  # (4, n_tokens) int32, section-major as llama_batch takes them
+    moves: np.ndarray | None = None  # (4, n_tokens) int32, 0 or 1
 
     @property
     def n_tokens(self) -> int:
         return len(self.embeddings)
+
+    def positions(self, first: int) -> np.ndarray:
+        """Its rows' positions when it starts at position `first`: (1, n_tokens), one a row, or
+        (4, n_tokens) on M-RoPE's grid."""
+        if self.base is None or self.moves is None:
+            return np.arange(first, first + self.n_tokens, dtype=np.int32)[None, :]
+        return self.base + first * self.moves
 
 
 Piece = list[int] | Encoded  # a prompt read by the projector: text tokens and images, in order
@@ -80,10 +93,8 @@ class Projector(_Owner):
             said = [line for line in log if "error" in line.lower() or "failed" in line.lower()]
             raise ModelError(f"cannot load the projector {path}: {said[-1].strip() if said else 'libmtmd refused it (--verbose shows why)'}")
         super().__init__(handle)
-        if mtmd.mtmd_decode_use_mrope(handle):
-            self.close()
-            raise ModelError(f"the projector {path.name} places images with M-RoPE (Qwen2-VL and its kin): llamabatch does not decode those yet")
         self.path = path
+        self.mrope = bool(mtmd.mtmd_decode_use_mrope(handle))  # four positions a row (Qwen2-VL and its kin)
         self.vision = bool(mtmd.mtmd_support_vision(handle))
         self.audio = bool(mtmd.mtmd_support_audio(handle))
         self.marker = MEDIA_MARKER
@@ -170,10 +181,28 @@ class Projector(_Owner):
             what = "a clip" if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO else "an image"
             raise PromptError(f"the projector could not encode {what} (libmtmd's mtmd_encode_chunk returned {code})")
         rows = np.ctypeslib.as_array(mtmd.mtmd_get_output_embd(self.handle), shape=(n_tokens, self.n_embd)).copy()
-        encoded = Encoded(key, rows, bool(mtmd.mtmd_decode_use_non_causal(self.handle, chunk)))
+        grid = self._grid(chunk, kind, n_tokens) if self.mrope else (None, None)
+        encoded = Encoded(key, rows, bool(mtmd.mtmd_decode_use_non_causal(self.handle, chunk)),
+                          mtmd.mtmd_input_chunk_get_n_pos(chunk), *grid)
         self.n_encoded += 1
         self._keep(encoded)
         return encoded
+
+    @staticmethod
+    def _grid(chunk, kind: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """An M-RoPE chunk's positions at first = 0 and how each moves with first (libmtmd's own
+        layout: the helper's for an image, every section counting up for a clip), section-major."""
+        if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO:
+            counting = np.tile(np.arange(n_tokens, dtype=np.int32), (4, 1))
+            return counting, np.ones_like(counting)
+        image = mtmd.mtmd_input_chunk_get_tokens_image(chunk)
+        at = []
+        for first in (0, 1):
+            out = (mtmd.mtmd_decoder_pos * n_tokens)()
+            mtmd.mtmd_helper_image_get_decoder_pos(image, first, out)
+            # llama_batch's sections: time, then y (row), x (column), and the fourth (mtmd-helper's order)
+            at.append(np.array([[p.t, p.y, p.x, p.z] for p in out], dtype=np.int64).T.astype(np.int32))
+        return at[0], at[1] - at[0]
 
     def _keep(self, encoded: Encoded) -> None:
         self._encoded[encoded.key] = encoded
@@ -184,12 +213,14 @@ class Projector(_Owner):
 @dataclass(frozen=True)
 class Placed:
     """Rows of an image's embeddings (all of them, or the next part of one attended one way),
-    the sequence they go to, and the position of the first."""
+    the sequence they go to, the first's index among its tokens, and their positions: (1, n),
+    or (4, n) under M-RoPE."""
 
     rows: np.ndarray
     non_causal: bool
     seq_id: int
     first: int
+    positions: np.ndarray
 
 
 def decode_images(ctx: Context, batch: Batch, placed: list[Placed]) -> None:
@@ -198,38 +229,41 @@ def decode_images(ctx: Context, batch: Batch, placed: list[Placed]) -> None:
     two); an image attended both ways is decoded alone and whole (Intake checks that it fits a
     micro-batch). Raises DecodeError as Context.decode does (code 1: no room in the KV cache);
     what went in before stays."""
+    staged = np.zeros((batch.n_pos_per_row, batch.capacity), dtype=np.int32)  # the batch's positions, by section
     n = 0
     for piece in placed:
         if piece.non_causal:
-            n = _flush(ctx, batch, n)
-            _put(batch, 0, piece.rows, piece.seq_id, piece.first)
+            n = _flush(ctx, batch, staged, n)
+            _put(batch, staged, 0, piece.rows, piece.seq_id, piece.positions)
             llama_cpp.llama_set_causal_attn(ctx.handle, False)
             try:
-                _flush(ctx, batch, len(piece.rows))
+                _flush(ctx, batch, staged, len(piece.rows))
             finally:
                 llama_cpp.llama_set_causal_attn(ctx.handle, True)
             continue
         start = 0
         while start < len(piece.rows):
-            rows = piece.rows[start : start + batch.capacity - n]
-            _put(batch, n, rows, piece.seq_id, piece.first + start)
-            n, start = n + len(rows), start + len(rows)
+            k = min(len(piece.rows) - start, batch.capacity - n)
+            _put(batch, staged, n, piece.rows[start : start + k], piece.seq_id, piece.positions[:, start : start + k])
+            n, start = n + k, start + k
             if n == batch.capacity:
-                n = _flush(ctx, batch, n)
-    _flush(ctx, batch, n)
+                n = _flush(ctx, batch, staged, n)
+    _flush(ctx, batch, staged, n)
 
 
-def _put(batch: Batch, at: int, rows: np.ndarray, seq_id: int, first: int) -> None:
+def _put(batch: Batch, staged: np.ndarray, at: int, rows: np.ndarray, seq_id: int, positions: np.ndarray) -> None:
     n = len(rows)
     batch.embd[at : at + n] = rows
-    batch.pos[at : at + n] = np.arange(first, first + n)
+    staged[:, at : at + n] = positions
     batch.seq_id[at : at + n] = seq_id
     batch.logits[at : at + n] = 0
 
 
-def _flush(ctx: Context, batch: Batch, n: int) -> int:
-    """Decode the batch's first n rows (none: nothing); returns 0, the rows left."""
+def _flush(ctx: Context, batch: Batch, staged: np.ndarray, n: int) -> int:
+    """Decode the batch's first n rows (none: nothing); returns 0, the rows left. Positions go in
+    section-major over the n rows, as llama.cpp reads an embedding batch's."""
     if n:
+        batch.pos[: staged.shape[0] * n] = staged[:, :n].ravel()
         batch.n_tokens = n
         ctx.decode(batch)
     return 0

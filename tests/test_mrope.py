@@ -1,0 +1,113 @@
+"""Images on M-RoPE models (Qwen2-VL and its kin): an image's rows sit on a grid of positions
+(time, row, column), max(rows, columns) of them for its rows × columns cells, so after an image
+a sequence's positions run behind its tokens. A tiny Qwen2-VL text model and projector, small
+images made here; greedy tokens checked against llama.cpp's own llama-mtmd-cli."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llamabatch.engine import BatchEngine, MediaPrompt, SamplingParams
+from conftest import native_built
+from test_images import CHATML_QUOTED, mtmd_cli_reply, png, run_json
+from tiny_model import write_tiny_model, write_tiny_qwen2vl_projector
+
+# Two images of different grids: 60×40 is cut to 4×3 cells of 28 pixels (12 rows, 4 positions),
+# 90×64 to 4×3 as well but of other pixels; 120×60 to 4×2 (8 rows, 4 positions).
+WIDE, TALL, SMALL = png((200, 10, 10), (60, 40)), png((10, 200, 10), (90, 64)), png((10, 10, 200), (120, 60))
+
+
+@pytest.fixture(scope="module")
+def qwen2vl(tmp_path_factory) -> tuple[Path, Path]:
+    """The text model (seed 4: its replies to the two images differ early) and its projector."""
+    folder = tmp_path_factory.mktemp("qwen2vl")
+    return (write_tiny_model(folder / "qwen2vl.gguf", mrope=True, chat_template=CHATML_QUOTED, seed=4),
+            write_tiny_qwen2vl_projector(folder / "mmproj.gguf"))
+
+
+def greedy(max_tokens: int = 10, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def replies(model: Path, projector: Path, prompts: list[MediaPrompt], params: SamplingParams, n_parallel: int) -> list[list[int]]:
+    """Each prompt's generated tokens, the prompts run in that order through n_parallel slots."""
+    with BatchEngine(model, mmproj=projector, n_parallel=n_parallel, n_ctx=2048, chat=True) as engine:
+        return [r.token_ids for r in engine.generate(prompts, params)]
+
+
+@pytest.mark.skipif(not native_built("llama-mtmd-cli"), reason="llama-mtmd-cli not built (scripts/build_native.sh; CI builds it)")
+def test_greedy_tokens_equal_llama_mtmd_cli_on_an_m_rope_model(qwen2vl, tmp_path):
+    """Two questions about two images decoded together, by the engine and by `run --image`,
+    give llama-mtmd-cli's replies byte for byte; each image fills fewer positions than cells."""
+    model, projector = qwen2vl
+    cases = [("what is it", WIDE), ("and what is this", TALL)]
+    files = []
+    for k, (_, image) in enumerate(cases):
+        files.append(tmp_path / f"{k}.png")
+        files[-1].write_bytes(image)
+    expected = [mtmd_cli_reply(model, projector, path, prompt, 12, n_ctx=2048) for (prompt, _), path in zip(cases, files)]
+    with BatchEngine(model, mmproj=projector, n_parallel=2, n_ctx=2048, chat=True) as engine:
+        seqs = engine.submit([MediaPrompt(p, (image,)) for p, image in cases], greedy(12))
+        for _ in engine.run():
+            pass
+        got = [b"".join(engine.vocab.piece(t) for t in s.tokens[s.n_prompt:] if not engine.vocab.is_eog(t)) for s in seqs]
+    assert got == expected and expected[0] != expected[1]
+    assert [(span.image.n_tokens, span.image.n_pos) for s in seqs for span in s.media] == [(12, 4), (12, 4)]
+    lines = run_json(model, projector, [p for p, _ in cases], "--image", files, n_ctx=2048, max_tokens=12)
+    assert [line["text"] for line in lines[:2]] == [e.decode(errors="replace") for e in expected]
+
+
+def test_a_slot_s_memory_is_cut_where_the_next_prompt_parts_from_it(qwen2vl):
+    """One slot, prompts run one after another, each finding the last one's memory: the same
+    prompt again (kept whole), the same image with another question (cut after the image, where
+    positions run behind tokens), another image (cut where the image starts), and a second image
+    after the first. Each reply equals the one it gets in a fresh engine, and the reused prefixes
+    are counted."""
+    model, projector = qwen2vl
+    prompts = [MediaPrompt("what is it", (WIDE,)), MediaPrompt("what is it", (WIDE,)), MediaPrompt("what is that", (WIDE,)),
+               MediaPrompt("what is it", (SMALL,)), MediaPrompt("<__media__>what is it <__media__> and this", (SMALL, TALL))]
+    fresh = [replies(model, projector, [prompt], greedy(), 1)[0] for prompt in prompts]
+    with BatchEngine(model, mmproj=projector, n_parallel=1, n_ctx=2048, chat=True) as engine:
+        seqs = engine.submit(prompts, greedy())
+        for _ in engine.run():
+            pass
+    results = [seq.result() for seq in seqs]
+    assert [r.error for r in results] == [None] * len(prompts)
+    assert [r.token_ids for r in results] == fresh
+    assert len({tuple(t) for t in fresh}) >= 3  # the images and questions change the replies
+    first_image = [seq.media[0] for seq in seqs]
+    assert results[1].cached_tokens == seqs[1].n_prompt - 1  # all but the newest token, decoded again
+    assert first_image[2].end < results[2].cached_tokens < seqs[2].n_prompt - 1  # "what is th"
+    assert results[3].cached_tokens == first_image[3].start  # the chat's opening
+    assert seqs[4].media[0].end < results[4].cached_tokens < seqs[4].media[1].start  # and "what is it"
+
+
+def test_samples_of_an_m_rope_image_prompt_copy_its_memory(qwen2vl):
+    """Three greedy samples of one image prompt: the followers copy the leader's prefix, image
+    included, and all three reply as the prompt alone does."""
+    model, projector = qwen2vl
+    prompt = MediaPrompt("describe it", (TALL,))
+    alone = replies(model, projector, [prompt], greedy(), 1)[0]
+    with BatchEngine(model, mmproj=projector, n_parallel=3, n_ctx=2048, chat=True) as engine:
+        results = engine.generate([prompt], greedy(n=3))
+        assert engine.stats.media_read == 1
+    assert [r.token_ids for r in results] == [alone] * 3
+    assert all(r.cached_tokens > 12 for r in results[1:])
+
+
+@pytest.mark.parametrize("mode", [{"speculative": "ngram"}, {"overlap": "on"}])
+def test_drafts_and_decodes_ahead_past_an_m_rope_image_give_the_same_tokens(qwen2vl, mode):
+    """Ngram drafts (verified and rejected past an image, where positions run behind tokens) and
+    decodes issued ahead (cut where a stop string ends a reply) give the tokens of the plain loop."""
+    model, projector = qwen2vl
+    prompts = [MediaPrompt("<__media__> one two three, one two three, one", (WIDE,)),
+               MediaPrompt("<__media__> and <__media__> a red thing, a red thing, a red", (TALL, SMALL))]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[" France"])
+    answers = {}
+    for name, extra in (("plain", {}), ("mode", mode)):
+        with BatchEngine(model, mmproj=projector, n_parallel=2, n_ctx=2048, **extra) as engine:
+            answers[name] = [(r.token_ids, r.finish_reason) for r in engine.generate(prompts, params)]
+            used = engine.stats.draft_tokens if "speculative" in mode else engine.stats.decodes_ahead
+    assert answers["mode"] == answers["plain"] and used > 0
