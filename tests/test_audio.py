@@ -114,6 +114,21 @@ def test_a_chat_with_an_input_audio_part_answers_as_the_engine_does(audio_server
     assert answer.status_code == 400 and "not audio libmtmd can decode" in answer.text
 
 
+def test_a_responses_input_audio_part_is_read_as_the_chat_s(audio_server, chat_model, audio_projector):
+    """The official client's `responses.create` with an input_audio part (OpenAI's Responses
+    shape, as its chat's): the answer is the engine's own, and usage counts the clip's positions."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{audio_server}/v1", api_key="none")
+    content = [{"type": "input_text", "text": "what is it"},
+               {"type": "input_audio", "input_audio": {"data": base64.b64encode(TONE).decode(), "format": "wav"}}]
+    reply = client.responses.create(model="tiny", input=[{"role": "user", "content": content}], max_output_tokens=8, temperature=0)
+    with BatchEngine(chat_model, mmproj=audio_projector, n_parallel=1, n_ctx=4096, chat=True) as engine:
+        (expected,) = engine.generate([MediaPrompt("what is it\n" + MARKER, (TONE,))], greedy(8))
+    assert reply.output_text == expected.text
+    assert reply.usage.input_tokens == expected.prompt_tokens
+
+
 def test_a_jsonl_job_names_its_audio_by_path(chat_model, audio_projector, tmp_path):
     """llamabatch JSON Lines with an "audio" path (relative to the file): the line answers as the
     engine does; a missing file fails its line alone, naming it."""

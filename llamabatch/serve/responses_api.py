@@ -23,7 +23,7 @@ from pydantic import Field, StrictBool, StrictStr
 from ..chat.conversation import Answer
 from ..engine import BatchEngine, Result
 from ..errors import LlamabatchError
-from ..openai_format import Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, usage
+from ..openai_format import Body, ChatRequest, InputAudio as AudioData, NonEmptyStr, Text, engine_inputs, integer, number, usage
 from .dialects import Blocks, answer, sse
 from .replay import Kept
 from .reply import Reply, Translated
@@ -49,10 +49,19 @@ class InputImage(Body):
         return {"type": "image_url", "image_url": {"url": self.image_url}}
 
 
+class InputAudio(Body):
+    type: Literal["input_audio"]
+    input_audio: AudioData  # the clip's file in base64, as a chat's input_audio part has it
+
+    def part(self) -> dict:
+        """The clip as a chat message's content part."""
+        return {"type": "input_audio", "input_audio": self.input_audio.model_dump()}
+
+
 class MessageItem(Body):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Text | list[Annotated[InputText | InputImage, Field(discriminator="type")]]
+    content: Text | list[Annotated[InputText | InputImage | InputAudio, Field(discriminator="type")]]
     id: StrictStr | None = None
     status: StrictStr | None = None
     phase: StrictStr | None = None
@@ -61,10 +70,10 @@ class MessageItem(Body):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content if isinstance(part, InputText))
 
     def chat_content(self) -> str | list[dict]:
-        """Its content as a chat message's: its text, or, with images, text and image parts in order."""
-        if isinstance(self.content, str) or not any(isinstance(part, InputImage) for part in self.content):
+        """Its content as a chat message's: its text, or, with images or clips, text and media parts in order."""
+        if isinstance(self.content, str) or all(isinstance(part, InputText) for part in self.content):
             return self.text()
-        return [part.part() if isinstance(part, InputImage) else {"type": "text", "text": part.text} for part in self.content]
+        return [{"type": "text", "text": part.text} if isinstance(part, InputText) else part.part() for part in self.content]
 
 
 class FunctionCallItem(Body):
