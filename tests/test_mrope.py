@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from llamabatch.engine import BatchEngine, MediaPrompt, SamplingParams
+from llamabatch.engine import BatchEngine, MediaPrompt, Result, SamplingParams
 from conftest import native_built
-from test_images import CHATML_QUOTED, mtmd_cli_reply, png, run_json
+from test_images import CHATML_QUOTED, MARKER, data_url, mtmd_cli_reply, png, run_json
 from tiny_model import write_tiny_model, write_tiny_qwen2vl_projector
 
 # Two images of different grids: 60×40 is cut to 4×3 cells of 28 pixels (12 rows, 4 positions),
@@ -23,7 +23,7 @@ WIDE, TALL, SMALL = png((200, 10, 10), (60, 40)), png((10, 200, 10), (90, 64)), 
 def qwen2vl(tmp_path_factory) -> tuple[Path, Path]:
     """The text model (seed 4: its replies to the two images differ early) and its projector."""
     folder = tmp_path_factory.mktemp("qwen2vl")
-    return (write_tiny_model(folder / "qwen2vl.gguf", mrope=True, chat_template=CHATML_QUOTED, seed=4),
+    return (write_tiny_model(folder / "qwen2vl.gguf", mrope="qwen2vl", chat_template=CHATML_QUOTED, seed=4),
             write_tiny_qwen2vl_projector(folder / "mmproj.gguf"))
 
 
@@ -31,17 +31,21 @@ def greedy(max_tokens: int = 10, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
-def replies(model: Path, projector: Path, prompts: list[MediaPrompt], params: SamplingParams, n_parallel: int) -> list[list[int]]:
-    """Each prompt's generated tokens, the prompts run in that order through n_parallel slots."""
-    with BatchEngine(model, mmproj=projector, n_parallel=n_parallel, n_ctx=2048, chat=True) as engine:
-        return [r.token_ids for r in engine.generate(prompts, params)]
+def alone(model: Path, projector: Path, prompt: MediaPrompt, params: SamplingParams) -> Result:
+    """The prompt's result in an engine of its own."""
+    with BatchEngine(model, mmproj=projector, n_parallel=1, n_ctx=2048, chat=True) as engine:
+        (result,) = engine.generate([prompt], params)
+    return result
 
 
 @pytest.mark.skipif(not native_built("llama-mtmd-cli"), reason="llama-mtmd-cli not built (scripts/build_native.sh; CI builds it)")
-def test_greedy_tokens_equal_llama_mtmd_cli_on_an_m_rope_model(qwen2vl, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2vl", "qwen3vl"])
+def test_greedy_tokens_equal_llama_mtmd_cli_on_an_m_rope_model(qwen2vl, arch, tmp_path):
     """Two questions about two images decoded together, by the engine and by `run --image`,
-    give llama-mtmd-cli's replies byte for byte; each image fills fewer positions than cells."""
-    model, projector = qwen2vl
+    give llama-mtmd-cli's replies byte for byte; each image fills fewer positions than cells.
+    Qwen2-VL's text model, and Qwen3-VL's (its sections interleaved), beside the same projector."""
+    _, projector = qwen2vl
+    model = write_tiny_model(tmp_path / f"{arch}.gguf", mrope=arch, chat_template=CHATML_QUOTED, seed=4)
     cases = [("what is it", WIDE), ("and what is this", TALL)]
     files = []
     for k, (_, image) in enumerate(cases):
@@ -68,7 +72,7 @@ def test_a_slot_s_memory_is_cut_where_the_next_prompt_parts_from_it(qwen2vl):
     model, projector = qwen2vl
     prompts = [MediaPrompt("what is it", (WIDE,)), MediaPrompt("what is it", (WIDE,)), MediaPrompt("what is that", (WIDE,)),
                MediaPrompt("what is it", (SMALL,)), MediaPrompt("<__media__>what is it <__media__> and this", (SMALL, TALL))]
-    fresh = [replies(model, projector, [prompt], greedy(), 1)[0] for prompt in prompts]
+    fresh = [alone(model, projector, prompt, greedy()).token_ids for prompt in prompts]
     with BatchEngine(model, mmproj=projector, n_parallel=1, n_ctx=2048, chat=True) as engine:
         seqs = engine.submit(prompts, greedy())
         for _ in engine.run():
@@ -89,11 +93,11 @@ def test_samples_of_an_m_rope_image_prompt_copy_its_memory(qwen2vl):
     included, and all three reply as the prompt alone does."""
     model, projector = qwen2vl
     prompt = MediaPrompt("describe it", (TALL,))
-    alone = replies(model, projector, [prompt], greedy(), 1)[0]
+    reply = alone(model, projector, prompt, greedy()).token_ids
     with BatchEngine(model, mmproj=projector, n_parallel=3, n_ctx=2048, chat=True) as engine:
         results = engine.generate([prompt], greedy(n=3))
         assert engine.stats.media_read == 1
-    assert [r.token_ids for r in results] == [alone] * 3
+    assert [r.token_ids for r in results] == [reply] * 3
     assert all(r.cached_tokens > 12 for r in results[1:])
 
 
@@ -111,3 +115,25 @@ def test_drafts_and_decodes_ahead_past_an_m_rope_image_give_the_same_tokens(qwen
             answers[name] = [(r.token_ids, r.finish_reason) for r in engine.generate(prompts, params)]
             used = engine.stats.draft_tokens if "speculative" in mode else engine.stats.decodes_ahead
     assert answers["mode"] == answers["plain"] and used > 0
+
+
+def test_a_chat_with_an_image_on_an_m_rope_model_answers_as_the_engine_does(serve, qwen2vl):
+    """The official client's chat with a text part and an image_url part, two at once on a
+    two-slot server: each answer is the engine's own for the same rendered prompt."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    model, projector = qwen2vl
+    client = OpenAI(base_url=f"{serve(n_parallel=2, n_ctx=4096, model=model, engine_extra={'mmproj': projector})}/v1", api_key="none")
+
+    def ask(image: bytes) -> str | None:
+        content = [{"type": "text", "text": "what is it"}, {"type": "image_url", "image_url": {"url": data_url(image)}}]
+        reply = client.chat.completions.create(model="qwen2vl", messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0)
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(ask, (WIDE, TALL)))
+    expected = [alone(model, projector, MediaPrompt("what is it\n" + MARKER, (image,)), greedy(8)).text for image in (WIDE, TALL)]
+    assert answers == expected and expected[0] != expected[1]
+

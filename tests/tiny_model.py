@@ -81,11 +81,12 @@ def write_tiny_model(
     diffusion: bool = False,
     fim: bool = False,
     controls: tuple[str, ...] = (),
-    mrope: bool = False,
+    mrope: str | None = None,
 ) -> Path:
     """Write a tiny F32 llama model (with `diffusion`, Dream's: the same tensors, attending both
-    ways; with `mrope`, Qwen2-VL's text model: the same tensors, rotated by M-RoPE's four
-    sections, which positions past an image tell apart). `always_eos` makes EOS the greedy choice at every step;
+    ways; with `mrope`, a Qwen-VL text model, "qwen2vl" (the same tensors) or "qwen3vl" (with
+    per-head norms), rotated by M-RoPE's four sections (Qwen3-VL's interleaved), which positions
+    past an image tell apart). `always_eos` makes EOS the greedy choice at every step;
     `pieces` are the word pieces after the byte tokens; `pooling` (a llama_pooling_type) is
     written as the model's embedding pooling. `rank_head` writes a reranker instead: the qwen3
     architecture (llama's, with per-head norms), rank pooling and a two-label classifier
@@ -111,7 +112,7 @@ def write_tiny_model(
     def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    arch = "qwen3" if rank_head else "dream" if diffusion else "qwen2vl" if mrope else "llama"
+    arch = "qwen3" if rank_head else "dream" if diffusion else mrope or "llama"
     w = GGUFWriter(str(path), arch)
     w.add_name(f"tiny-test-{arch}")
     if mrope:  # time, rows, columns, unused: a rotated head's n_embd / n_head / 2 pairs among them
@@ -146,7 +147,7 @@ def write_tiny_model(
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
             w.add_tensor(f"blk.{i}.{name}.weight", weight(n_embd, n_embd))
-        if rank_head:
+        if rank_head or mrope == "qwen3vl":
             for name in ("attn_q_norm", "attn_k_norm"):
                 w.add_tensor(f"blk.{i}.{name}.weight", np.ones(n_embd // n_head, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, np.float32))
