@@ -137,3 +137,32 @@ def test_a_chat_with_an_image_on_an_m_rope_model_answers_as_the_engine_does(serv
     expected = [alone(model, projector, MediaPrompt("what is it\n" + MARKER, (image,)), greedy(8)).text for image in (WIDE, TALL)]
     assert answers == expected and expected[0] != expected[1]
 
+
+
+@pytest.mark.parametrize("tier", ["cache_ram", "cache_dir"])
+def test_an_m_rope_image_prompt_comes_back_from_the_prompt_cache(qwen2vl, tier, tmp_path):
+    """One slot with the prompt cache: an image prompt's memory goes to the cache when another
+    prompt takes the slot (to disk, when its engine closes), and a later question about the same
+    image takes it back, image and all (its positions counted through the image), replying as
+    it does alone. The disk tier is read by a second engine."""
+    model, projector = qwen2vl
+    look = "Look at every corner of this picture, the colours and the shapes in it, and then say: "  # what a restore must win
+    later = MediaPrompt(look + "what is that", (WIDE,))
+    reply = alone(model, projector, later, greedy())
+    setting = {tier: "256MiB" if tier == "cache_ram" else str(tmp_path)}
+    with BatchEngine(model, mmproj=projector, n_parallel=1, n_ctx=2048, chat=True, **setting) as engine:
+        engine.generate([MediaPrompt(look + "what is it", (WIDE,)), MediaPrompt("what is it", (TALL,))], greedy())
+        if tier == "cache_ram":
+            (seq,) = engine.submit([later], greedy())
+            for _ in engine.run():
+                pass
+            stats = engine.prompt_cache.stats.ram
+    if tier == "cache_dir":
+        with BatchEngine(model, mmproj=projector, n_parallel=1, n_ctx=2048, chat=True, **setting) as engine:
+            (seq,) = engine.submit([later], greedy())
+            for _ in engine.run():
+                pass
+            stats = engine.prompt_cache.stats.disk
+    assert stats.hits == 1
+    assert seq.media[0].end + len(look) < seq.n_cached < seq.n_prompt - 1  # the image, its text and "what is th"
+    assert seq.result().token_ids == reply.token_ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .native.projector import Encoded, Piece
 
@@ -25,42 +26,59 @@ class MediaSpan:
     def end(self) -> int:
         return self.start + self.image.n_tokens
 
+
+class GridImage(NamedTuple):
+    """An M-RoPE image among a sequence's tokens: cells start .. end - 1, n_pos positions (fewer:
+    Qwen-VL's grid of rows × columns cells takes max(rows, columns)). What a stream's positions
+    are counted through (a Sequence's grid; the prompt cache keeps it beside a state)."""
+
+    start: int
+    end: int
+    n_pos: int
+
     @property
     def lost(self) -> int:
-        """Cells it fills beyond its positions (M-RoPE's grid: n_tokens cells, max(rows, columns)
-        positions); 0 for an image laid out one position a cell."""
-        return self.image.n_tokens - self.image.n_pos
+        """Cells it fills beyond its positions."""
+        return self.end - self.start - self.n_pos
 
 
-def position(spans: tuple[MediaSpan, ...], n: int) -> int:
-    """Where token n of a sequence with these images sits: n, less what each M-RoPE image before
-    it lost (a token within an image: where the image starts; all its cells hold that position)."""
+Grid = tuple[GridImage, ...]  # a sequence's M-RoPE images, in order (empty: a position a token)
+
+
+def grid(spans: tuple[MediaSpan, ...]) -> Grid:
+    """The images among these that fill fewer positions than cells."""
+    return tuple(GridImage(span.start, span.end, span.image.n_pos) for span in spans if span.image.n_pos < span.image.n_tokens)
+
+
+def position(images: Grid, n: int) -> int:
+    """Where token n of a sequence with these images sits: n, less what each image before it
+    lost (a token within an image: where the image starts; all its cells hold that position)."""
     lost = 0
-    for span in spans:
-        if n < span.end:
-            return min(n, span.start) - lost if span.lost else n - lost
-        lost += span.lost
+    for image in images:
+        if n < image.end:
+            return min(n, image.start) - lost
+        lost += image.lost
     return n - lost
 
 
-def cells_through(spans: tuple[MediaSpan, ...], last: int) -> int:
+def cells_through(images: Grid, last: int) -> int:
     """How many leading tokens a sequence with these images holds when the last position its
-    memory holds is `last` (-1: none): position()'s inverse, an M-RoPE image counted whole."""
+    memory holds is `last` (-1: none): position()'s inverse, an image counted whole."""
     lost = 0
-    for span in spans:
-        first = span.start - lost
+    for image in images:
+        first = image.start - lost
         if last < first:
             break
-        if span.lost and last < first + span.image.n_pos:
-            return span.end
-        lost += span.lost
+        if last < first + image.n_pos:
+            return image.end
+        lost += image.lost
     return last + 1 + lost
 
 
-def whole(spans: tuple[MediaSpan, ...], n: int) -> int:
-    """n, or where the M-RoPE image it cuts into starts: such an image's cells all hold one
-    position, so memory is cut before it or after it, never within."""
-    return next((span.start for span in spans if span.lost and span.start < n < span.end), n)
+def whole(images: Grid, n: int) -> int:
+    """n, or where the image it cuts into starts: an image's cells all hold one position, so
+    memory is cut before it or after it, never within."""
+    return next((image.start for image in images if image.start < n < image.end), n)
 
 
 def placeholders(image: Encoded, n_vocab: int) -> list[int]:

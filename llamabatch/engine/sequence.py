@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .adapters import BASE, AdapterSet
-from .media import MediaSpan, position
+from .media import Grid, MediaSpan, grid, position
 from .sampling.thinking import Thought
 from .results import PromptScore, Result, Ticket, Timings, TokenLogprob
 from .sampling.samplers import GreedySampler, RowSampler
@@ -83,8 +83,9 @@ class Sequence:
     priority_class: str = "interactive"
     adapters: AdapterSet = BASE  # the LoRA adapters it decodes under (its KV is theirs)
     media: tuple[MediaSpan, ...] = ()  # its prompt's images, in order: their positions are read apart from the step
-    # Cells its M-RoPE images fill beyond their positions: its generated tokens sit this far before
-    # their index (0 for every other sequence). Set once, from its media.
+    # Its M-RoPE images, and the cells they fill beyond their positions: its generated tokens sit
+    # `shift` before their index (0 for every other sequence). Set once, from its media.
+    grid: Grid = field(init=False)
     shift: int = field(init=False)
     swapped: bytes | None = None  # its KV (n_past positions), saved to host memory while preempted
     finish_reason: str | None = None  # "stop", "length", "error" or "cancelled"
@@ -97,7 +98,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.stream = TextStream(self.params.stop, self.params.n_indent)
-        self.shift = sum(span.lost for span in self.media)
+        self.grid = grid(self.media)
+        self.shift = sum(image.lost for image in self.grid)
 
     # -- the one writer of its status, place in memory, leader, draft and end ----------------
 
@@ -170,7 +172,7 @@ class Sequence:
 
     def position(self, n: int) -> int:
         """Where its token n sits: n, unless an M-RoPE image comes before it (media.position)."""
-        return position(self.media, n) if self.shift else n
+        return position(self.grid, n) if self.shift else n
 
     def media_at(self) -> MediaSpan | None:
         """The image (or clip) its next position is in, if it is in one: at its start, or past

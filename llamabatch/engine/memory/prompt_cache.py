@@ -39,6 +39,7 @@ from ... import durable
 from ...catalog import model_fingerprint
 from ...errors import ConfigError
 from ..adapters import AdapterSet
+from ..media import Grid, GridImage
 from .streams import Checkpoint
 from ..scheduling.prefix_index import PrefixIndex
 
@@ -64,12 +65,13 @@ class CachedPrompt:
     checkpoints: tuple[Checkpoint, ...] = ()  # ... and its checkpoints
     path: Path | None = None  # on disk
     written: Future | None = None  # the disk write, until it is done
+    grid: Grid = ()  # its M-RoPE images: where its positions run behind its tokens (media.GridImage)
 
     @classmethod
-    def of(cls, tokens: list[int], adapters: AdapterSet, state: bytes, checkpoints: tuple[Checkpoint, ...]) -> CachedPrompt:
+    def of(cls, tokens: list[int], adapters: AdapterSet, state: bytes, checkpoints: tuple[Checkpoint, ...], grid: Grid) -> CachedPrompt:
         """A stream's snapshot (memory.Memory.snapshot), in RAM."""
         nbytes = len(state) + sum(len(cp.data) for cp in checkpoints)
-        return cls(list(tokens), adapters, tuple(cp.n_tokens for cp in checkpoints), nbytes, state, checkpoints)
+        return cls(list(tokens), adapters, tuple(cp.n_tokens for cp in checkpoints), nbytes, state, checkpoints, grid=grid)
 
     @property
     def n_tokens(self) -> int:
@@ -280,7 +282,7 @@ def _write(path: Path, fingerprint: str, entry: CachedPrompt, state: bytes, chec
     header = json.dumps({
         "fingerprint": fingerprint, "tokens": entry.tokens, "adapters": [list(pair) for pair in entry.adapters],
         "state": len(state), "checkpoints": [[cp.n_tokens, len(cp.data)] for cp in checkpoints],
-        "blake2b": body.hexdigest(),
+        "grid": [list(image) for image in entry.grid], "blake2b": body.hexdigest(),
     }).encode()
     partial = path.with_name(f"{path.stem}.{os.getpid()}{PARTIAL}")  # the writer's pid: another process sharing the folder leaves it be
     with open(partial, "wb") as f:
@@ -319,8 +321,9 @@ def _read_header(path: Path, fingerprint: str) -> CachedPrompt:
         tokens = [int(t) for t in header["tokens"]]
         adapters = tuple((int(i), float(s)) for i, s in header["adapters"])
         sizes = [int(header["state"])] + [int(n) for _, n in header["checkpoints"]]
+        grid = tuple(GridImage(int(start), int(end), int(n_pos)) for start, end, n_pos in header.get("grid", []))
         entry = CachedPrompt(tokens, adapters, tuple(int(n) for n, _ in header["checkpoints"]),
-                             sum(sizes), path=path)
+                             sum(sizes), path=path, grid=grid)
     except (KeyError, TypeError) as e:
         raise ValueError(f"a damaged header ({e!r})") from None
     if path.name != _key(tokens, adapters) + SUFFIX:

@@ -29,9 +29,9 @@ class PrefixReuse:
             slot = self.scheduler.slot_of(seq)
             if seq.n_past < len(slot.cached):
                 self._keep(cache, seq.seq_id, slot.cached, slot.adapters)
-        self.memory.place(seq)  # (after the slot's memory was kept: it counted that one's positions)
-        if cache is not None and seq.swapped is None and seq.leader is None:  # (a leader, admitted before it, looked here already)
-            self._restore(seq, cache)
+            if seq.leader is None:  # (a leader, admitted before it, looked here already)
+                self._restore(seq, cache)
+        self.memory.place(seq.seq_id, seq.grid)  # (the slot's or the cache's memory agrees with it where it is kept)
         self.memory.resume(seq)
         self.stats.prompt_tokens_reused += seq.n_cached
 
@@ -51,19 +51,17 @@ class PrefixReuse:
         """The stream's memory (it holds exactly `tokens`) into the prompt cache."""
         if len(tokens) < MIN_TOKENS or cache.holds(tokens, adapters) or self.memory.held(seq_id) != len(tokens):
             return
-        if self.memory.shifted(seq_id):  # M-RoPE images: the cache's entries count one position a token
-            return
         if any(id >= self.fixed_adapters for id, _ in adapters):
             return
-        state, checkpoints = self.memory.snapshot(seq_id)
+        state, checkpoints, grid = self.memory.snapshot(seq_id)
         if state:
-            cache.keep(CachedPrompt.of(tokens, adapters, state, checkpoints))
+            cache.keep(CachedPrompt.of(tokens, adapters, state, checkpoints, grid))
 
     def _restore(self, seq: Sequence, cache: PromptCache) -> None:
         """Where a cached prompt gives more of this one than its slot does, it replaces the slot's
         memory, and seq.n_past becomes the prefix they share (memory.resume then cuts it there)."""
         limit = min(len(seq.tokens) - 1, seq.shareable)  # as the scheduler's match: the newest token is decoded again
-        if limit < MIN_TOKENS or seq.shift:  # (M-RoPE images: as _keep)
+        if limit < MIN_TOKENS:
             return
         best, n_best, n_shared = None, self.memory.reusable(seq.seq_id, seq.n_past) + MIN_TOKENS - 1, 0  # worth a restore
         for shared, entry in cache.candidates(seq.tokens[:limit], seq.adapters):
@@ -74,7 +72,7 @@ class PrefixReuse:
             cache.stats.misses += 1
             return
         loaded = cache.load(best)
-        held = self.memory.put_back(seq.seq_id, *loaded) if loaded is not None else 0
+        held = self.memory.put_back(seq.seq_id, *loaded, best.grid) if loaded is not None else 0
         seq.hold(n_shared)
         if held != best.n_tokens:
             if loaded is not None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ...errors import LlamabatchError
-from ..media import MediaSpan, cells_through, position, whole
+from ..media import Grid, cells_through, position, whole
 from ..native.handles import Context, Model
 from ..sequence import Sequence
 
@@ -207,9 +207,9 @@ class Memory:
         self.swapped_bytes = 0  # memory of preempted sequences held in host memory
         self.restored = 0  # checkpoints put back (prefix reuse, rejected drafts)
         self.rolled_back = 0  # rejected tokens undone through llama.cpp's snapshots
-        # The images of streams holding M-RoPE images, whose cells outnumber their positions:
-        # what they hold and where they are cut is counted in tokens through them (media.position).
-        self.grids: dict[int, tuple[MediaSpan, ...]] = {}
+        # The M-RoPE images of streams holding some (their cells outnumber their positions): what
+        # they hold and where they are cut is counted in tokens through them (media.position).
+        self.grids: dict[int, Grid] = {}
 
     @property
     def checkpointing(self) -> bool:
@@ -241,18 +241,14 @@ class Memory:
             else:
                 seq.checkpoint_at = matched  # its prefill stops here for one
 
-    def place(self, seq: Sequence) -> None:
-        """Its stream counts positions as it does from now on: one a token, or through its M-RoPE
-        images (what the stream kept from the slot's last sequence agrees with it up to where
-        their tokens part, the only part kept)."""
-        if seq.shift:
-            self.grids[seq.seq_id] = seq.media
+    def place(self, seq_id: int, grid: Grid) -> None:
+        """The stream counts positions through these M-RoPE images from now on (none: one a
+        token): its sequence's, or a cached state's it was given. What it held before agrees with
+        them up to where their tokens part, the only part kept."""
+        if grid:
+            self.grids[seq_id] = grid
         else:
-            self.grids.pop(seq.seq_id, None)
-
-    def shifted(self, seq_id: int) -> bool:
-        """Whether the stream holds M-RoPE images (its positions are fewer than its tokens)."""
-        return seq_id in self.grids
+            self.grids.pop(seq_id, None)
 
     def reusable(self, seq_id: int, n: int) -> int:
         """How many of the stream's first n positions truncate() would keep (nothing is changed)."""
@@ -273,14 +269,15 @@ class Memory:
             return n
         return max((p for p in positions if p <= n), default=0)
 
-    def snapshot(self, seq_id: int) -> tuple[bytes, tuple[Checkpoint, ...]]:
-        """What the stream holds, to keep outside the context: its whole state, and its
-        checkpoints (shared, not copied)."""
-        return self.ctx.state(seq_id), tuple(self.checkpoints.of(seq_id))
+    def snapshot(self, seq_id: int) -> tuple[bytes, tuple[Checkpoint, ...], Grid]:
+        """What the stream holds, to keep outside the context: its whole state, its checkpoints
+        (shared, not copied) and its M-RoPE images."""
+        return self.ctx.state(seq_id), tuple(self.checkpoints.of(seq_id)), self.grids.get(seq_id, ())
 
-    def put_back(self, seq_id: int, state: bytes, checkpoints: Iterable[Checkpoint]) -> int:
-        """A snapshot into the stream, replacing what it held; returns the positions it holds
-        now (0: llama.cpp did not take it)."""
+    def put_back(self, seq_id: int, state: bytes, checkpoints: Iterable[Checkpoint], grid: Grid) -> int:
+        """A snapshot into the stream, replacing what it held; returns the tokens it holds now
+        (0: llama.cpp did not take it)."""
+        self.place(seq_id, grid)
         held = self.restore(seq_id, state)
         if held:
             self.checkpoints.adopt(seq_id, checkpoints, held)
