@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from llamabatch import ConfigError
 from llamabatch.cli import app
 from llamabatch.engine.sizing.options import EngineOptions
+from llamabatch.engine.sizing.planning import current_rss
 
 
 def invoke(*args):
@@ -37,7 +38,8 @@ def test_options_that_would_be_ignored_or_read_two_ways_are_refused(tiny_model, 
 
 
 def test_parallel_auto_plans_each_sequences_context_within_the_budget(tiny_model):
-    options = EngineOptions(model=tiny_model, parallel="auto", ctx_per_seq=256, memory="2GiB", threads=2)
+    budget = str(current_rss() + 2**30)  # the budget covers this process too, which has run much of the suite
+    options = EngineOptions(model=tiny_model, parallel="auto", ctx_per_seq=256, memory=budget, threads=2)
     kwargs = options.engine_kwargs(n_sequences=5)
     measured = options.stored_tuning().choose().batch_size  # engine_kwargs measured it, or found it stored
     # the measured batch size, never more slots than sequences
