@@ -12,7 +12,7 @@ import pytest
 from llamabatch.engine import BatchEngine, MediaPrompt, Result, SamplingParams
 from conftest import native_built
 from test_images import CHATML_QUOTED, MARKER, data_url, mtmd_cli_reply, png, run_json
-from tiny_model import write_tiny_model, write_tiny_qwen2vl_projector
+from tiny_model import write_tiny_model, write_tiny_projector
 
 # Two images of different grids: 60×40 is cut to 4×3 cells of 28 pixels (12 rows, 4 positions),
 # 90×64 to 4×3 as well but of other pixels; 120×60 to 4×2 (8 rows, 4 positions).
@@ -24,7 +24,7 @@ def qwen2vl(tmp_path_factory) -> tuple[Path, Path]:
     """The text model (seed 4: its replies to the two images differ early) and its projector."""
     folder = tmp_path_factory.mktemp("qwen2vl")
     return (write_tiny_model(folder / "qwen2vl.gguf", mrope="qwen2vl", chat_template=CHATML_QUOTED, seed=4),
-            write_tiny_qwen2vl_projector(folder / "mmproj.gguf"))
+            write_tiny_projector(folder / "mmproj.gguf", kind="qwen2vl_merger", image_size=560))
 
 
 def greedy(max_tokens: int = 10, **kw) -> SamplingParams:

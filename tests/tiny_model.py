@@ -372,21 +372,28 @@ def write_tiny_family(
 
 
 def write_tiny_projector(
-    path: Path, *, n_embd_text: int = 64, n_embd: int = 32, n_layer: int = 2, n_head: int = 4, n_ff: int = 64,
-    image_size: int = 28, patch_size: int = 14, seed: int = 0,
+    path: Path, *, kind: str = "mlp", n_embd_text: int = 64, n_embd: int = 32, n_layer: int = 2, n_head: int = 4,
+    n_ff: int = 64, image_size: int = 28, patch_size: int = 14, seed: int = 0,
 ) -> Path:
-    """Write a tiny multimodal projector (an mmproj GGUF) of LLaVA's kind, as llama.cpp's
-    tools/mtmd/clip.cpp loads it ("mlp": a ViT, then two linear layers into the text model's
-    n_embd_text): an image is resized to image_size² and fills (image_size / patch_size)² positions."""
+    """Write a tiny multimodal projector (an mmproj GGUF) as llama.cpp's tools/mtmd/clip.cpp loads
+    it, of `kind`:
+    - "mlp", LLaVA's: a ViT, then two linear layers into the text model's n_embd_text; an image
+      is resized to image_size² and fills (image_size / patch_size)² positions;
+    - "qwen2vl_merger", Qwen2-VL's: two patch convolutions added, a ViT rotated by M-RoPE, each
+      2×2 of patches merged into one row by two linear layers; an image is resized to a grid of
+      28-pixel cells, a row each, which the text model reads at M-RoPE positions (time, row,
+      column), max(rows, columns) of them (image_size: the largest side it reads)."""
+    if kind not in ("mlp", "qwen2vl_merger"):
+        raise ValueError(f"not a projector these tests write: {kind}")
     rng = np.random.default_rng(seed)
 
     def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     w = GGUFWriter(str(path), "clip")
-    w.add_name("tiny-test-projector")
+    w.add_name(f"tiny-test-{kind}-projector")
     w.add_bool("clip.has_vision_encoder", True)
-    w.add_string("clip.projector_type", "mlp")
+    w.add_string("clip.projector_type", kind)
     w.add_bool("clip.use_gelu", True)
     for key, value in (("image_size", image_size), ("patch_size", patch_size), ("embedding_length", n_embd),
                        ("feed_forward_length", n_ff), ("block_count", n_layer), ("projection_dim", n_embd_text),
@@ -397,55 +404,22 @@ def write_tiny_projector(
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
     w.add_file_type(0)  # all F32
     w.add_tensor("v.patch_embd.weight", weight(n_embd, 3, patch_size, patch_size))
-    w.add_tensor("v.position_embd.weight", weight((image_size // patch_size) ** 2, n_embd))
+    if kind == "mlp":
+        w.add_tensor("v.position_embd.weight", weight((image_size // patch_size) ** 2, n_embd))
+    else:
+        w.add_tensor("v.patch_embd.weight.1", weight(n_embd, 3, patch_size, patch_size))  # the second frame's
     _vit_blocks(w, "v", weight, n_layer, n_embd, n_ff)
-    # The projection into the text model's embeddings, at the scale of its token embeddings.
-    w.add_tensor("mm.0.weight", weight(n_embd_text, n_embd, scale=1.0))
-    w.add_tensor("mm.0.bias", np.zeros(n_embd_text, np.float32))
-    w.add_tensor("mm.2.weight", weight(n_embd_text, n_embd_text, scale=1.0))
-    w.add_tensor("mm.2.bias", np.zeros(n_embd_text, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def write_tiny_qwen2vl_projector(
-    path: Path, *, n_embd_text: int = 64, n_embd: int = 32, n_layer: int = 2, n_head: int = 4, n_ff: int = 64,
-    patch_size: int = 14, seed: int = 0,
-) -> Path:
-    """Write a tiny projector of Qwen2-VL's kind, as clip.cpp loads it ("qwen2vl_merger": two
-    patch convolutions added, a ViT rotated by M-RoPE, each 2×2 of patches merged into one row by
-    two linear layers): an image is resized to a grid of 28-pixel cells, a row each, which the
-    text model reads at M-RoPE positions (time, row, column), max(rows, columns) of them."""
-    rng = np.random.default_rng(seed)
-
-    def weight(*shape: int, scale: float = 0.1) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    w = GGUFWriter(str(path), "clip")
-    w.add_name("tiny-test-qwen2vl-projector")
-    w.add_bool("clip.has_vision_encoder", True)
-    w.add_string("clip.projector_type", "qwen2vl_merger")
-    w.add_bool("clip.use_gelu", True)
-    for key, value in (("image_size", 560), ("patch_size", patch_size), ("embedding_length", n_embd),
-                       ("feed_forward_length", n_ff), ("block_count", n_layer), ("projection_dim", n_embd_text),
-                       ("attention.head_count", n_head)):
-        w.add_uint32(f"clip.vision.{key}", value)
-    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    w.add_file_type(0)  # all F32
-    w.add_tensor("v.patch_embd.weight", weight(n_embd, 3, patch_size, patch_size))
-    w.add_tensor("v.patch_embd.weight.1", weight(n_embd, 3, patch_size, patch_size))  # the second frame's
-    _vit_blocks(w, "v", weight, n_layer, n_embd, n_ff)
-    w.add_tensor("v.post_ln.weight", np.ones(n_embd, np.float32))
-    w.add_tensor("v.post_ln.bias", np.zeros(n_embd, np.float32))
-    # The merger: 2×2 patches' features in, the text model's embeddings out, at their scale.
-    w.add_tensor("mm.0.weight", weight(4 * n_embd, 4 * n_embd, scale=0.5))
-    w.add_tensor("mm.0.bias", np.zeros(4 * n_embd, np.float32))
-    w.add_tensor("mm.2.weight", weight(n_embd_text, 4 * n_embd, scale=1.0))
+    # The projection into the text model's embeddings, at the scale of its token embeddings: from
+    # each patch's features (LLaVA's), or from 2×2 patches' (Qwen2-VL's merger, after a final norm).
+    n_in = n_embd
+    if kind == "qwen2vl_merger":
+        w.add_tensor("v.post_ln.weight", np.ones(n_embd, np.float32))
+        w.add_tensor("v.post_ln.bias", np.zeros(n_embd, np.float32))
+        n_in = 4 * n_embd
+    n_hidden = n_in if kind == "qwen2vl_merger" else n_embd_text
+    w.add_tensor("mm.0.weight", weight(n_hidden, n_in, scale=0.5 if kind == "qwen2vl_merger" else 1.0))
+    w.add_tensor("mm.0.bias", np.zeros(n_hidden, np.float32))
+    w.add_tensor("mm.2.weight", weight(n_embd_text, n_hidden, scale=1.0))
     w.add_tensor("mm.2.bias", np.zeros(n_embd_text, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

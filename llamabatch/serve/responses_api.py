@@ -23,7 +23,7 @@ from pydantic import Field, StrictBool, StrictStr
 from ..chat.conversation import Answer
 from ..engine import BatchEngine, Result
 from ..errors import LlamabatchError
-from ..openai_format import Body, ChatRequest, InputAudio as AudioData, NonEmptyStr, Text, engine_inputs, integer, number, usage
+from ..openai_format import AudioPart, Body, ChatRequest, NonEmptyStr, Text, engine_inputs, integer, number, usage
 from .dialects import Blocks, answer, sse
 from .replay import Kept
 from .reply import Reply, Translated
@@ -49,13 +49,12 @@ class InputImage(Body):
         return {"type": "image_url", "image_url": {"url": self.image_url}}
 
 
-class InputAudio(Body):
-    type: Literal["input_audio"]
-    input_audio: AudioData  # the clip's file in base64, as a chat's input_audio part has it
+class InputAudio(AudioPart):
+    """A clip: Responses' input_audio part is the chat's, field for field."""
 
     def part(self) -> dict:
         """The clip as a chat message's content part."""
-        return {"type": "input_audio", "input_audio": self.input_audio.model_dump()}
+        return self.model_dump()
 
 
 class MessageItem(Body):

@@ -196,8 +196,8 @@ class Memory:
     """The sequences' memory in one context, and every change made to it.
 
     Callers say what they want a stream (a seq_id) to hold: its first n tokens (its first n
-    positions, except past an M-RoPE image: grids), a copy of another's prefix. The answer is what it holds now, which may be less: the positions after it
-    must be decoded again. A refusal by llama.cpp is never ignored. The sequence-level operations
+    positions, except past an M-RoPE image: grids), a copy of another's prefix. The answer is
+    what it holds now, which may be less: the tokens after it must be decoded again. A refusal by llama.cpp is never ignored. The sequence-level operations
     (resume, share, swap_out) keep each Sequence's n_past in step with its stream."""
 
     def __init__(self, ctx: Context, model: Model, checkpoint_budget: int) -> None:
@@ -317,8 +317,12 @@ class Memory:
 
     def _remove_from(self, seq_id: int, n: int) -> bool:
         """llama.cpp removes the stream's tokens from n on (False: it refused)."""
+        return self.ctx.seq_rm(seq_id, self._position(seq_id, n))
+
+    def _position(self, seq_id: int, n: int) -> int:
+        """Where the stream's token n sits: n, unless it holds M-RoPE images (media.position)."""
         grid = self.grids.get(seq_id)
-        return self.ctx.seq_rm(seq_id, n if grid is None else position(grid, n))
+        return n if grid is None else position(grid, n)
 
     def clear(self, seq_id: int) -> None:
         if not self.ctx.seq_rm(seq_id):
@@ -367,8 +371,7 @@ class Memory:
             return 0
         if self.ctx.kv_unified:
             n = self._whole(src, n)
-            grid = self.grids.get(src)  # shared cells: only which sequences own them changes
-            self.ctx.seq_cp(src, dst, 0, n if grid is None else position(grid, n))
+            self.ctx.seq_cp(src, dst, 0, self._position(src, n))  # shared cells: only which sequences own them changes
         else:
             self.ctx.seq_cp(src, dst)  # per-sequence buffers are copied whole (llama.cpp copies no part)
         self.checkpoints.inherit(src, dst, n)
