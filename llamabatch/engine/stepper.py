@@ -97,7 +97,8 @@ class Stepper:
             self.memory.prepare_to_reject(seq.seq_id, len(seq.draft))
         if not step.rows:
             return None
-        if self.adapters.apply(self.ctx, step.rows[0].adapters):  # the scheduler gives a step one set
+        # The scheduler gives a step one set of adapters; a step handed over again keeps the last.
+        if step is not self._in_batch and self.adapters.apply(self.ctx, step.rows[0].adapters):
             self.stats.adapter_switches += 1
         tokens_before = self.stats.completion_tokens
         decoded, failure = self._run(step, events)

@@ -23,8 +23,7 @@ class TextStream:
     """
 
     def __init__(self, stop: tuple[str, ...] = (), n_indent: int = 0) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._whole = True  # the decoder holds no bytes of a split character
+        self._split = b""  # bytes of a character split between tokens, waiting for the rest
         self._stop = stop
         self._n_indent = n_indent
         self._plain = not stop and not n_indent
@@ -42,7 +41,7 @@ class TextStream:
 
     def push(self, piece: bytes) -> str:
         """Add one token's bytes; return the newly shown text (maybe empty)."""
-        if not self._whole or (len(piece) == 1 and piece[0] > 0x7F):  # within a character, or a lone byte of one
+        if self._split or (len(piece) == 1 and piece[0] > 0x7F):  # within a character, or a lone byte of one
             new = self._decode(piece)  # (not decode() first: its exception costs 0.4 µs, a byte token's whole cost twice)
         else:
             try:  # most pieces are whole characters: a third of the incremental decoder's cost
@@ -66,15 +65,17 @@ class TextStream:
         self._pending = pending[len(pending) - keep :]
         return self._show(pending[: len(pending) - keep])
 
-    def _decode(self, piece: bytes) -> str:
-        """Through the incremental decoder, which holds a split character's bytes (and replaces bad ones)."""
-        new = self._decoder.decode(piece)
-        self._whole = not self._decoder.getstate()[0]
+    def _decode(self, piece: bytes, final: bool = False) -> str:
+        """Decoded after the split character's bytes, the bytes of one still split kept (bad bytes
+        replaced): what an incremental decoder does, without its Python-level call."""
+        data = self._split + piece
+        new, used = codecs.utf_8_decode(data, "replace", final)
+        self._split = data[used:]
         return new
 
     def finish(self) -> str:
         """The sequence ended: show whatever was held back (a dangling byte shows as U+FFFD)."""
-        tail = self._pending if self.stopped else self._pending + self._decoder.decode(b"", final=True)
+        tail = self._pending if self.stopped else self._pending + self._decode(b"", final=True)
         self._pending = ""
         return self._show(tail)
 

@@ -21,6 +21,10 @@ from .backend import awaiting_backends
 
 KV_FULL = 1  # llama_decode's "no free KV slot" (DecodeError.code)
 INVALID_BATCH = -1  # llama_decode refused the batch before computing anything (positions, ids, ...)
+# llama_get_logits returning the address as an int: the binding's POINTER result costs a ctypes
+# object and its .contents another, every step.
+_logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(ctypes.cast(llama_cpp.llama_get_logits, ctypes.c_void_p).value)
+_ONE = np.int32(1)  # Batch.set_next's increment
 
 
 class _Owner:
@@ -352,7 +356,7 @@ class Context(_Owner):
     def decode(self, batch: Batch) -> None:
         backend.process.decoded = True
         mark = len(backend.log.warnings)
-        code = awaiting_backends(llama_cpp.llama_decode, self.handle, batch.struct)
+        code = awaiting_backends(llama_cpp.llama_decode, self.handle, batch.handle)
         if code != 0:
             raise DecodeError(code, backend.log.said_since(mark) or None)
 
@@ -361,7 +365,7 @@ class Context(_Owner):
         (llama.cpp puts its outputs back in that order first): a view, valid until the next decode.
         Views are kept per (address, rows): llama.cpp reuses its buffer, and building a view costs
         more than a small model's whole sampling step."""
-        address = ctypes.addressof(awaiting_backends(llama_cpp.llama_get_logits, self.handle).contents)
+        address = awaiting_backends(_logits_address, self.handle)
         view = self._logits_views.get((address, n_outputs))
         if view is None:
             rows = (ctypes.c_float * (n_outputs * n_vocab)).from_address(address)
@@ -463,10 +467,13 @@ class Batch(_Owner):
         llama_cpp.llama_batch_free(struct)
 
     @property
-    def struct(self) -> llama_cpp.llama_batch:
-        struct = self.handle
-        struct.n_tokens = self.n_tokens
-        return struct
+    def n_tokens(self) -> int:
+        """Rows in use (the struct's own field: a plain step that repeats never writes it)."""
+        return self.handle.n_tokens
+
+    @n_tokens.setter
+    def n_tokens(self, n: int) -> None:
+        self.handle.n_tokens = n
 
     def set(self, tokens: list[int], pos: list[int], seq_ids: list[int], logits: list[int] | None = None) -> None:
         """Make the batch these rows: token, position, seq_id and logits flag (1 = keep its logits;
@@ -493,4 +500,5 @@ class Batch(_Owner):
             self.pos[0] += 1
         else:
             self.token[:n] = tokens
-            self.pos[:n] += 1
+            pos = self.pos[:n]
+            np.add(pos, _ONE, out=pos)  # (pos += 1 costs twice this: the operator's own dispatch)
