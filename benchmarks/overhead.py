@@ -13,6 +13,11 @@ Then each step of a greedy run is split into the time inside llama_decode and th
 about native's step over (ours inside llama_decode + the rest), which is why it differs between
 machines whose Python and whose matrix kernels differ in speed. The Python per step is also
 fitted as a fixed cost plus a cost per sequence, over the batch sizes.
+
+`--instructions` counts instead of timing (valgrind's callgrind): the instructions a step of B
+sequences executes with llama_decode replaced by a C call that returns at once, so every one is
+llamabatch's (and the binding's). A count does not change with the host's load, where a shared
+2-core host's timings of a few microseconds spread by 2x between runs; it is not a time either.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import os
 import sys
 import tempfile
@@ -31,6 +37,7 @@ import llama_cpp
 import numpy as np
 
 from llamabatch import BatchEngine, SamplingParams
+from llamabatch.engine import batch_engine
 from llamabatch.measure.sweep import SweepSettings, native_run
 
 from .harness import ROOT, Spread, alternate, cli, json_lines, median, model_path, paired, run as run_command, tiny_model
@@ -49,6 +56,8 @@ def arguments(parser) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=None,
                         help="the KV layout of both sides (default: the engine's, unified)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count a step's instructions outside llama_decode under callgrind instead of timing")
 
 
 def bare_loop(model: str, b: int, args) -> list[float]:
@@ -144,6 +153,66 @@ def split_in(tree: Path, model: str, b: int, args, native_too: bool) -> tuple[fl
     return tuple(json.loads([line for line in out.splitlines() if line.startswith("[")][-1]))
 
 
+def no_decode_loop(model: str, b: int, steps: int) -> None:
+    """B greedy sequences stepped `steps` times after their prefill, each llama_decode replaced by
+    a C call that returns 0 (the logits stay the last real decode's): only the step's own work is
+    left. What instructions_per_step counts."""
+    absolute = ctypes.CDLL(None).abs
+    # The engine publishes its snapshot every 25 ms: a step under callgrind takes about that, one
+    # on the host a thousandth of it, so counted steps would publish each time where real ones don't.
+    batch_engine.PUBLISH_EVERY_S = math.inf
+    with BatchEngine(model, n_parallel=b, n_ctx=b * (64 + steps), n_threads=1) as engine:
+        sequences = engine.submit([[1 + (i * 7 + k) % 200 for k in range(32)] for i in range(b)],
+                                  SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True))
+        while any(s.t_first_token is None for s in sequences):
+            engine.step()
+        real, llama_cpp.llama_decode = llama_cpp.llama_decode, lambda ctx, batch: absolute(0)
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            llama_cpp.llama_decode = real
+        if any(s.finish_reason is not None for s in sequences):
+            raise RuntimeError(f"a sequence ended during the counted steps: {sequences[0].result()}")
+
+
+def instructions_per_step(tree: Path, model: str, b: int, steps: tuple[int, int] = (100, 300)) -> float:
+    """Instructions of one no-decode step of B sequences with `tree`'s llamabatch: callgrind's
+    totals for two loop lengths, differenced (start-up, loading and prefill cancel out)."""
+    totals = []
+    with tempfile.TemporaryDirectory() as shim:
+        (Path(shim) / "llamabatch").symlink_to(tree / "llamabatch")
+        path = os.pathsep.join([shim, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+        for n in steps:
+            out = Path(shim) / f"callgrind.{n}"
+            code = f"from benchmarks.overhead import no_decode_loop; no_decode_loop({model!r}, {b}, {n})"
+            run_command(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c", code],
+                        env={"PYTHONPATH": path, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}, cwd=shim)
+            totals.append(int(next(line for line in out.read_text().splitlines() if line.startswith("totals:")).split()[1]))
+    return (totals[1] - totals[0]) / (steps[1] - steps[0])
+
+
+def count(args, report, trees: dict[str, Path], sizes: list[int]) -> None:
+    """--instructions: each tree's instructions per step at each B, and the fit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(model_path(args.model)) if args.model else str(tiny_model(Path(tmp)))
+        counts = {name: {b: instructions_per_step(tree, model, b) for b in sizes} for name, tree in trees.items()}
+    fits = {name: per_sequence(points) for name, points in counts.items()}
+    for name, (fixed, each) in fits.items():
+        report.figure(f"instructions_fixed_{name}", round(fixed))
+        report.figure(f"instructions_per_sequence_{name}", round(each))
+    last = list(trees)[-1]
+    report.table(
+        "Instructions a step outside llama_decode (callgrind; llama_decode a C call returning at once)",
+        ["B", *trees, *(["after / before"] if len(trees) > 1 else [])],
+        [[b, *(round(counts[name][b]) for name in trees), *([counts[last][b] / counts["before"][b]] if len(trees) > 1 else [])]
+         for b in sizes] + [["fit: fixed + per sequence", *(f"{fixed:,.0f} + {each:,.0f} B" for fixed, each in fits.values()),
+                             *([""] if len(trees) > 1 else [])]],
+        "Greedy sequences, one thread, PYTHONHASHSEED 0: the same count on any load. Instructions, not time: "
+        "a Python bytecode and a C loop differ in instructions per nanosecond.",
+    )
+
+
 def per_sequence(points: dict[int, float]) -> tuple[float, float]:
     """The Python per step fitted (least squares) as fixed + per_sequence * B: (fixed, per sequence) in µs."""
     sizes = sorted(points)
@@ -156,6 +225,9 @@ def per_sequence(points: dict[int, float]) -> tuple[float, float]:
 def run(args, report) -> None:
     trees = {"llamabatch": ROOT} if args.before is None else {"before": args.before.resolve(), "llamabatch": ROOT}
     sizes = list(map(int, args.batch_sizes.split(",")))
+    if args.instructions:
+        count(args, report, trees, sizes)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model = str(model_path(args.model)) if args.model else str(tiny_model(Path(tmp)))
 
