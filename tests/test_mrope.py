@@ -101,6 +101,26 @@ def test_samples_of_an_m_rope_image_prompt_copy_its_memory(qwen2vl):
     assert all(r.cached_tokens > 12 for r in results[1:])
 
 
+def test_sampled_replies_to_m_rope_images_do_not_depend_on_the_batch(qwen2vl):
+    """Seeded sampling (temperature, top-k, top-p) in deterministic mode: three image prompts,
+    one of them sampled twice, decoded together (fillers beside rows whose positions run behind
+    their tokens) give each sequence the tokens it gets alone."""
+    model, projector = qwen2vl
+    prompts = [MediaPrompt("what is it", (WIDE,)), MediaPrompt("<__media__> and <__media__> which is red", (TALL, SMALL)),
+               MediaPrompt("tell me", (SMALL,))]
+    params = [SamplingParams(max_tokens=12, temperature=1.2, top_k=20, top_p=0.95, seed=7 + k, ignore_eos=True, n=1 + (k == 1))
+              for k in range(3)]
+    settings = dict(mmproj=projector, n_ctx=2048, chat=True, deterministic=True)
+    apart = []
+    for prompt, p in zip(prompts, params):
+        with BatchEngine(model, n_parallel=2, **settings) as engine:
+            apart += [r.token_ids for r in engine.generate([prompt], p)]
+    with BatchEngine(model, n_parallel=4, **settings) as engine:
+        together = [r.token_ids for r in engine.generate(prompts, params)]
+    assert together == apart
+    assert len({tuple(ids) for ids in apart}) == 4  # sampled: the two samples of one prompt differ too
+
+
 @pytest.mark.parametrize("mode", [{"speculative": "ngram"}, {"overlap": "on"}])
 def test_drafts_and_decodes_ahead_past_an_m_rope_image_give_the_same_tokens(qwen2vl, mode):
     """Ngram drafts (verified and rejected past an image, where positions run behind tokens) and
