@@ -23,6 +23,7 @@ llamabatch's (and the binding's). A count does not change with the host's load, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import math
@@ -30,6 +31,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -140,15 +142,22 @@ def step_split(model: str, b: int, args, slots: int | None = None, native_too: b
     return inside[0] / steps * 1e6, (wall - inside[0]) / steps * 1e6, native_step
 
 
+@contextlib.contextmanager
+def tree_first(tree: Path) -> Iterator[tuple[str, str]]:
+    """A folder whose `llamabatch` is `tree`'s, and a PYTHONPATH that puts it first (before this
+    checkout, which holds the benchmarks): for a process that runs another checkout's engine."""
+    with tempfile.TemporaryDirectory() as shim:
+        (Path(shim) / "llamabatch").symlink_to(tree / "llamabatch")
+        yield shim, os.pathsep.join([shim, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def split_in(tree: Path, model: str, b: int, args, native_too: bool) -> tuple[float, float, float | None]:
     """step_split in a fresh process whose llamabatch is `tree`'s (this checkout's benchmarks):
     a shim folder puts that tree's package first on the path."""
-    with tempfile.TemporaryDirectory() as shim:
-        (Path(shim) / "llamabatch").symlink_to(tree / "llamabatch")
+    with tree_first(tree) as (shim, path):
         settings = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}
         code = ("import argparse, json; from benchmarks.overhead import step_split; "
                 f"print(json.dumps(step_split({model!r}, {b}, argparse.Namespace(**{settings!r}), native_too={native_too})))")
-        path = os.pathsep.join([shim, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # the tree's llamabatch first
         _, out = run_command([sys.executable, "-c", code], env={"PYTHONPATH": path}, cwd=shim)
     return tuple(json.loads([line for line in out.splitlines() if line.startswith("[")][-1]))
 
@@ -172,17 +181,16 @@ def no_decode_loop(model: str, b: int, steps: int) -> None:
                 engine.step()
         finally:
             llama_cpp.llama_decode = real
-        if any(s.finish_reason is not None for s in sequences):
-            raise RuntimeError(f"a sequence ended during the counted steps: {sequences[0].result()}")
+        ended = [s for s in sequences if s.finish_reason is not None]
+        if ended:
+            raise RuntimeError(f"a sequence ended during the counted steps: {ended[0].result()}")
 
 
 def instructions_per_step(tree: Path, model: str, b: int, steps: tuple[int, int] = (100, 300)) -> float:
     """Instructions of one no-decode step of B sequences with `tree`'s llamabatch: callgrind's
     totals for two loop lengths, differenced (start-up, loading and prefill cancel out)."""
     totals = []
-    with tempfile.TemporaryDirectory() as shim:
-        (Path(shim) / "llamabatch").symlink_to(tree / "llamabatch")
-        path = os.pathsep.join([shim, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    with tree_first(tree) as (shim, path):
         for n in steps:
             out = Path(shim) / f"callgrind.{n}"
             code = f"from benchmarks.overhead import no_decode_loop; no_decode_loop({model!r}, {b}, {n})"

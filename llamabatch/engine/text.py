@@ -44,7 +44,7 @@ class TextStream:
         if self._split or (len(piece) == 1 and piece[0] > 0x7F):  # within a character, or a lone byte of one
             new = self._decode(piece)  # (not decode() first: its exception costs 0.4 µs, a byte token's whole cost twice)
         else:
-            try:  # most pieces are whole characters: a third of the incremental decoder's cost
+            try:  # most pieces are whole characters: a third of _decode's cost
                 new = piece.decode()
             except UnicodeDecodeError:  # a piece that ends within a character (or bad bytes)
                 new = self._decode(piece)

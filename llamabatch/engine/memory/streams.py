@@ -197,8 +197,9 @@ class Memory:
 
     Callers say what they want a stream (a seq_id) to hold: its first n tokens (its first n
     positions, except past an M-RoPE image: grids), a copy of another's prefix. The answer is
-    what it holds now, which may be less: the tokens after it must be decoded again. A refusal by llama.cpp is never ignored. The sequence-level operations
-    (resume, share, swap_out) keep each Sequence's n_past in step with its stream."""
+    what it holds now, which may be less: the tokens after it must be decoded again. A refusal
+    by llama.cpp is never ignored. The sequence-level operations (resume, share, swap_out) keep
+    each Sequence's n_past in step with its stream."""
 
     def __init__(self, ctx: Context, model: Model, checkpoint_budget: int) -> None:
         self.ctx = ctx
