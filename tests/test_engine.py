@@ -379,3 +379,31 @@ def test_two_long_prompts_are_read_together_beside_decoders_in_small_steps(make_
     while engine.has_work:
         engine.step()
     assert [(r.n_generated, r.finish_reason) for r in readers] == [(4, "length")] * 2
+
+
+@pytest.mark.parametrize("streamed", [(False, False), (True, False)], ids=["none streamed", "one streamed"])
+def test_a_long_prompt_is_read_whole_beside_decoders_no_one_streams(make_engine, streamed):
+    """The step budget keeps streams flowing: beside decoders whose end alone is awaited
+    (streamed=False: generate(), a job's lines, a server's whole answers) a long prompt is read
+    in whole chunks, as with no budget; one stream among them, and it is read in the budget's
+    pieces again. Every decoder gets its token every step either way."""
+    from llamabatch.engine.scheduling.budget import PROBE_TOKENS
+
+    engine = make_engine(n_parallel=4, n_ctx=4 * 1024, step_target=1e-6)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    decoders = [seq for prompt, s in zip(PROMPTS, streamed) for seq in engine.submit([prompt], params, streamed=s)]
+    for _ in range(5):  # their prompts, then steps of decode rows alone (what a decode step costs)
+        engine.step()
+    (reader,) = engine.submit([" ".join(f"apple{i}" for i in range(120))], SamplingParams(temperature=0, max_tokens=4))
+    assert reader.n_prompt > 4 * PROBE_TOKENS
+    read = []
+    while reader.t_first_token is None:
+        before = reader.n_past, [d.n_generated for d in decoders]
+        engine.step()
+        read.append(min(reader.n_past, reader.n_prompt) - before[0])
+        assert [d.n_generated for d in decoders] == [n + 1 for n in before[1]]
+    if any(streamed):
+        assert read[0] == PROBE_TOKENS and len(read) > 4
+    else:
+        room = engine.ctx.n_batch - len(decoders)  # whole chunks: what n_batch leaves beside the decoders
+        assert read == [room] * (reader.n_prompt // room) + [reader.n_prompt % room]

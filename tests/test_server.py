@@ -176,6 +176,34 @@ def test_return_progress_streams_how_far_a_long_prompt_has_been_read(serve):
     assert any(getattr(c, "prompt_progress", None) for c in chunks) and any(c.choices for c in chunks)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["answered whole", "streamed"])
+def test_a_long_prompt_beside_an_answer_given_whole_is_read_in_whole_chunks(serve, stream):
+    """A step budget far shorter than a step (the fewest prompt tokens a step may carry) keeps a
+    streamed request's tokens flowing: a long prompt beside it is read in pieces of at most 32
+    tokens. Beside a request answered whole no one sees the gaps: the prompt is read in whole
+    chunks, and its first token comes sooner."""
+    base = serve(n_parallel=2, n_ctx=4096, engine_extra={"step_target": 1e-6})
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+    def decode() -> float:
+        reply = client.completions.create(model="tiny", prompt="a decoder", max_tokens=1800, temperature=0, stream=stream,
+                                          extra_body={"ignore_eos": True})
+        if stream:
+            assert sum(len(c.choices[0].text) for c in reply if c.choices) > 0
+        return time.monotonic()
+
+    with ThreadPoolExecutor(1) as pool:
+        decoder = pool.submit(decode)
+        while metric(base, "llamabatch_step_seconds_count") < 8:  # its prompt, then decode steps (what one costs)
+            time.sleep(0.01)
+        reader = client.completions.create(model="tiny", prompt=" ".join(f"apple{i}" for i in range(120)), max_tokens=1, temperature=0)
+        read_at = time.monotonic()
+        assert decoder.result() > read_at, "the decoder ended before the long prompt was read: give it more tokens"
+    assert reader.usage.prompt_tokens > 512
+    long_steps = metric(base, "llamabatch_step_prompt_tokens_count") - metric(base, 'llamabatch_step_prompt_tokens_bucket{le="32.0"}')
+    assert (long_steps > 0) == (not stream)
+
+
 @pytest.mark.fresh_process
 def test_a_deterministic_server_answers_the_same_alone_and_under_load(serve):
     client = openai.OpenAI(base_url=f"{serve(n_parallel=4, engine_extra={'deterministic': True})}/v1", api_key="-", max_retries=0)

@@ -105,8 +105,9 @@ def run(
     if image or audio:
         prompts = _with_media(prompts, {"--image": image or [], "--audio": audio or []})
     with BatchEngine(**EngineOptions.of(context.params).engine_kwargs(n_sequences=sum(p.n for p in params))) as engine:
-        sequences = engine.submit(prompts, params)
-        _drive(engine, sequences, live=stream and not json_out)
+        live = stream and not json_out
+        sequences = engine.submit(prompts, params, streamed=live)
+        _drive(engine, sequences, live=live)
         results = [seq.result() for seq in sequences]
         stats = {"model": engine.model_name, "parallel": engine.config.n_parallel, **engine.stats.summary()}
         if engine.config.mmproj:

@@ -54,7 +54,7 @@ DraftModelOpt = Annotated[
 ]
 DraftMaxOpt = Annotated[Optional[int], typer.Option("--draft-max", help="Most draft tokens per sequence and step (15).")]
 StepTargetOpt = Annotated[Optional[str], typer.Option(
-    "--step-target", metavar="DURATION|auto|off", help="Keep a step that reads prompt tokens beside decoding sequences near this (e.g. 200ms), the prompts sharing it, so streams do not stall while a long prompt is read; auto: six decode steps' time (serve's default; --max-itl when given); off: whole --batch-size chunks, oldest prompt first (run's and batch's default).",
+    "--step-target", metavar="DURATION|auto|off", help="Keep a step that reads prompt tokens beside streamed decoding sequences near this (e.g. 200ms), the prompts sharing it, so streams do not stall while a long prompt is read; auto: six decode steps' time (serve's default; --max-itl when given); off: whole --batch-size chunks, oldest prompt first (run's and batch's default).",
 )]
 OverlapOpt = Annotated[Optional[str], typer.Option(
     "--overlap", metavar="auto|on|off", help="Decode the next step while this one's tokens are read (text, stop strings): auto: where layers are on a GPU.",

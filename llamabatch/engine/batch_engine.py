@@ -122,23 +122,27 @@ class BatchEngine:
 
     def add(
         self, prompt: PromptInput, params: SamplingParams | None = None, index: int | None = None,
-        *, score_from: int | None = None, priority: int = 0, priority_class: str = "interactive",
+        *, score_from: int | None = None, priority: int = 0, priority_class: str = "interactive", streamed: bool = True,
     ) -> list[Sequence]:
         """Queue a prompt (text, token ids, or an MediaPrompt) for params.n samples, which share its KV. With
         score_from (or params.prompt_logprobs, which scores from the second token), the prompt's
         tokens from that index on get their log-probabilities as it is decoded. A lower priority
         runs first (queue.rank), preempting worse-ranked sequences when no slot is free.
+        `streamed`: its tokens are read as they come, so a step budget (step_target) keeps
+        their gaps short; False: only its end is awaited, and prompts beside it are read in
+        whole chunks (its gaps no one sees; its prompt neighbours' first tokens come sooner).
         Raises PromptError (or SamplingError, ConstraintError) when it cannot run; nothing is
         queued then."""
-        return self.intake.add(prompt, params, index, score_from=score_from, priority=priority, priority_class=priority_class)
+        return self.intake.add(prompt, params, index, score_from=score_from, priority=priority, priority_class=priority_class, streamed=streamed)
 
     def submit(
         self, prompts: Iterable[PromptInput], params: SamplingParams | list[SamplingParams] | None = None,
-        *, priority: int = 0, priority_class: str = "interactive",
+        *, priority: int = 0, priority_class: str = "interactive", streamed: bool = True,
     ) -> list[Sequence]:
         """Queue prompts (index = position in `prompts`); n samples each, in order. A prompt that
-        cannot run comes back already finished with its error; the others are unaffected."""
-        return self.intake.submit(prompts, params, priority=priority, priority_class=priority_class)
+        cannot run comes back already finished with its error; the others are unaffected.
+        `priority`, `priority_class` and `streamed` as add() takes them."""
+        return self.intake.submit(prompts, params, priority=priority, priority_class=priority_class, streamed=streamed)
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
         """A prompt's tokens as the engine decodes them (with --chat, as a user message)."""
@@ -205,8 +209,9 @@ class BatchEngine:
         self, prompts: Iterable[PromptInput], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Result]:
         """Run prompts to completion; results in input order (n per prompt when params.n > 1).
-        A bad prompt fails only its own results."""
-        sequences = self.submit(prompts, params)
+        A bad prompt fails only its own results. Nothing is streamed: prompts are read in whole
+        chunks beside its decoding sequences, whatever the step budget (add())."""
+        sequences = self.submit(prompts, params, streamed=False)
         for _ in self.run():
             pass
         return [seq.result() for seq in sequences]

@@ -70,7 +70,7 @@ class Intake:
 
     def add(
         self, prompt: PromptInput, params: SamplingParams | None = None, index: int | None = None,
-        *, score_from: int | None = None, priority: int = 0, priority_class: str = "interactive",
+        *, score_from: int | None = None, priority: int = 0, priority_class: str = "interactive", streamed: bool = True,
     ) -> list[Sequence]:
         """BatchEngine.add: its sequences, queued; nothing queued when it raises."""
         params = params or SamplingParams()
@@ -104,7 +104,7 @@ class Intake:
             seq.thought = Thought(budget, close) if budget else None
             seq.special = (matcher is not None or p.logprobs is not None or p.max_tokens == 0 or budget is not None
                            or p.max_predict_s is not None or bool(p.shown_tokens))
-            seq.priority, seq.priority_class = priority, priority_class
+            seq.priority, seq.priority_class, seq.streamed = priority, priority_class, streamed
             seq.score_from = -1 if score_from is None else score_from
             if params.max_tokens == 0 and score_from is None:  # nothing to generate, nothing to score: done
                 seq.status, seq.finish_reason = Status.FINISHED, "length"
@@ -151,7 +151,7 @@ class Intake:
 
     def submit(
         self, prompts: Iterable[PromptInput], params: SamplingParams | list[SamplingParams] | None = None,
-        *, priority: int = 0, priority_class: str = "interactive",
+        *, priority: int = 0, priority_class: str = "interactive", streamed: bool = True,
     ) -> list[Sequence]:
         """BatchEngine.submit: a prompt refused comes back as finished sequences with its error."""
         prompts = list(prompts)
@@ -160,11 +160,12 @@ class Intake:
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         else:
             params = [params or SamplingParams()] * len(prompts)
-        return [seq for i, (p, sp) in enumerate(zip(prompts, params)) for seq in self._submit_one(i, p, sp, priority, priority_class)]
+        return [seq for i, (p, sp) in enumerate(zip(prompts, params)) for seq in self._submit_one(i, p, sp, priority, priority_class, streamed)]
 
-    def _submit_one(self, index: int, prompt: PromptInput, params: SamplingParams, priority: int, priority_class: str) -> list[Sequence]:
+    def _submit_one(self, index: int, prompt: PromptInput, params: SamplingParams, priority: int, priority_class: str,
+                    streamed: bool) -> list[Sequence]:
         try:
-            return self.add(prompt, params, index, priority=priority, priority_class=priority_class)
+            return self.add(prompt, params, index, priority=priority, priority_class=priority_class, streamed=streamed)
         except (PromptError, SamplingError, ConstraintError) as e:
             prompt = prompt.text if isinstance(prompt, (Prompt, MediaPrompt)) else prompt if isinstance(prompt, str) else ""
             return [

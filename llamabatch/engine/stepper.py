@@ -195,15 +195,15 @@ class Stepper:
         """Each running sequence whose next positions are an image's (or a clip's) has it
         decoded now (a batch holds tokens or embeddings, not both), the images of all such
         sequences together: the step then carries their text after the image beside everyone's
-        tokens. Beside decoding sequences, with the step budget on, a step reads at most the
-        budget's prompt tokens of image positions (an image attended one way in parts, one
+        tokens. Beside streamed decoding sequences, with the step budget on, a step reads at most
+        the budget's prompt tokens of image positions (an image attended one way in parts, one
         attended both ways whole): a large image stalls the streams no more than a prompt does.
         When a decode fails, each image is decoded alone, and one that still fails (no room in
         the KV cache) fails its sequence alone. Returns the positions read."""
         running = self.scheduler.running
         budget = self.scheduler.budget
-        n_decoding = sum(1 for seq in running if seq.n_pending == 1)
-        left = budget.prompt_tokens(n_decoding, self.ctx.n_ctx) if budget.on and n_decoding and not self.config.deterministic else None
+        streamed = sum(1 for seq in running if seq.n_pending == 1 and seq.streamed)
+        left = budget.prompt_tokens(streamed, self.ctx.n_ctx) if budget.on and streamed and not self.config.deterministic else None
         read = 0
         while left is None or left > 0:
             parts = []

@@ -149,7 +149,9 @@ class RequestRunner:
             for i, prompt in enumerate(prompts):
                 try:
                     priority = self.priority + (request.body.priority if request.body is not None else 0)
-                    req.sequences += self.engine.add(prompt, params, index=i, priority=priority, priority_class=self.priority_class)
+                    # A line is written whole: no one reads its tokens as they come (Sequence.streamed).
+                    req.sequences += self.engine.add(prompt, params, index=i, priority=priority, priority_class=self.priority_class,
+                                                     streamed=False)
                 except LlamabatchError as e:
                     raise LlamabatchError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
         except LlamabatchError as e:

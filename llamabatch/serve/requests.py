@@ -111,13 +111,14 @@ class Serving:
 
     # -- its work --------------------------------------------------------------------------
 
-    async def submit(self, served: Served, prompts: list, params: SamplingParams, priority: int = 0) -> Submission:
+    async def submit(self, served: Served, prompts: list, params: SamplingParams, priority: int = 0,
+                     streamed: bool = True) -> Submission:
         """Hand the prompts to the engine and wait until it has taken them (within the request's
-        timeout). 429 when the queue is full for now, 400 when the request can never run (a prompt
+        timeout); `streamed`: their tokens are sent as they come (else the answer is whole). 429 when the queue is full for now, 400 when the request can never run (a prompt
         refused, more sequences than any queue takes), 503 when the engine has stopped."""
         worker, failed = served.worker, self.metrics.of(served.name).failed
         engine = self.engine(served)
-        submission = Submission(loop=asyncio.get_running_loop(), priority=priority)
+        submission = Submission(loop=asyncio.get_running_loop(), priority=priority, streamed=streamed)
         try:
             # Text tokenized and the constraint compiled here, on a thread of the pool: the engine
             # thread, which every stream waits on, only queues what it takes.

@@ -81,6 +81,7 @@ class Submission:
     n_open: int = 0  # sequences that will send events: counted when taken, before any step runs
     t_start: float = field(default_factory=time.perf_counter)
     priority: int = 0  # lower runs first (queue.rank)
+    streamed: bool = True  # its tokens are sent as they come (Sequence.streamed): else it is answered whole
 
 
 @dataclass(eq=False)
@@ -362,7 +363,7 @@ class EngineWorker:
             submission.loop.call_soon_threadsafe(_resolve, submission.submitted, EngineUnavailable(self.broken))
             return
         try:
-            sequences = self.engine.submit(prompts, params, priority=submission.priority)
+            sequences = self.engine.submit(prompts, params, priority=submission.priority, streamed=submission.streamed)
         except Exception as e:  # e.g. a chat template the model cannot render
             submission.loop.call_soon_threadsafe(_resolve, submission.submitted, e)
             return

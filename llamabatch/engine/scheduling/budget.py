@@ -7,6 +7,11 @@ whole n_batch chunk of a long prompt takes many decode steps' time (Gemma 3 270M
 stalls for as long as the prompt has chunks. With a time budget a prompt is read in pieces that
 keep each step near the target, and the streams keep flowing (vLLM's chunked prefill and
 Sarathi-Serve's stall-free batching bound a step's tokens the same way).
+
+The budget keeps only streams flowing: beside decoders whose end alone is awaited (a request
+answered whole, a batch job's line) a prompt is read in whole chunks. Their total time is about
+the same either way (the prompt's work is done beside them, in pieces or at once), while pieces
+cost the prompt its first token later and every extra step another pass over the weights.
 """
 
 from __future__ import annotations
@@ -56,10 +61,12 @@ class StepBudget:
             self.token_s = _moved(self.token_s, max(seconds - self.decode_s, 0.0) / n_prompt, TOKEN_MEMORY)
         self._last = n_prompt if n_decoding else 0
 
-    def prompt_tokens(self, n_decoding: int, most: int) -> int:
-        """The prompt tokens the next step may carry beside n_decoding decode rows, at most `most`
-        (what n_batch leaves): all of them without decoders to keep flowing, or no time budget."""
-        if not n_decoding or not self.on or self.decode_s is None:
+    def prompt_tokens(self, n_streamed: int, most: int) -> int:
+        """The prompt tokens the next step may carry beside decode rows, n_streamed of them read
+        as they come (Sequence.streamed), at most `most` (what n_batch leaves): all of them with no
+        stream to keep flowing (a decoder whose end alone is awaited loses nothing when a step
+        is long), or no time budget."""
+        if not n_streamed or not self.on or self.decode_s is None:
             return most
         if self.token_s is None:
             return min(most, PROBE_TOKENS)

@@ -64,17 +64,19 @@ class Composer:
         if prefilling and self.policy == "priority":
             generating, prefilling = _held_back(generating, prefilling)
         chunks = dict.fromkeys(generating, 1)
-        checkpoints = self._read_prompts(prefilling, len(generating), reserved, media, chunks) if prefilling else frozenset()
+        checkpoints = self._read_prompts(prefilling, generating, reserved, media, chunks) if prefilling else frozenset()
         plain = plain and len(chunks) == len(generating)
         return _step(chunks, plain, draws, special, checkpoints, len(generating)), plain and not mixed and not reading
 
-    def _read_prompts(self, prefilling: list[Sequence], n_decoding: int, reserved: int, media: int,
+    def _read_prompts(self, prefilling: list[Sequence], generating: list[Sequence], reserved: int, media: int,
                       chunks: dict[Sequence, int]) -> frozenset[int]:
-        """Each prompt's chunk into `chunks`, within the step's budget (less the image positions
-        read beside decoders, in time): shared out while the step budget is on, else the oldest
-        first, each all it wants. Returns the uids of the rows whose chunk ends at a checkpoint."""
-        budget = self.budget.prompt_tokens(n_decoding, self.n_batch - n_decoding - reserved)
-        if self.budget.on and n_decoding:
+        """Each prompt's chunk into `chunks`, within the step's budget (in time beside streamed
+        decoders, less the image positions read beside them): shared out while the step budget
+        is on, else the oldest first, each all it wants. Returns the uids of the rows whose chunk
+        ends at a checkpoint."""
+        n_decoding, streamed = len(generating), sum(seq.streamed for seq in generating)
+        budget = self.budget.prompt_tokens(streamed, self.n_batch - n_decoding - reserved)
+        if self.budget.on and streamed:
             budget = max(0, budget - media)
         outputs = n_decoding + reserved
         wants = [_want(seq) for seq in prefilling]
