@@ -127,7 +127,7 @@ def step_split(model: str, b: int, args, slots: int | None = None, native_too: b
         engine.generate(prompts, params)  # warm
         native_step = b / native_run(engine, replace(settings, batch_sizes=(b,)), b)["speed_tg"] * 1e6 if native_too else None
         engine.drop_cached_prefixes()
-        sequences = engine.submit(prompts, params)
+        sequences = engine.submit(prompts, params, streamed=False)  # as the sweep: no one reads them as they come
         while any(s.t_first_token is None for s in sequences):  # the prefill, not counted
             engine.step()
         llama_cpp.llama_decode = timed
@@ -162,17 +162,18 @@ def split_in(tree: Path, model: str, b: int, args, native_too: bool) -> tuple[fl
     return tuple(json.loads([line for line in out.splitlines() if line.startswith("[")][-1]))
 
 
-def no_decode_loop(model: str, b: int, steps: int) -> None:
+def no_decode_loop(model: str, b: int, steps: int, streamed: bool) -> None:
     """B greedy sequences stepped `steps` times after their prefill, each llama_decode replaced by
     a C call that returns 0 (the logits stay the last real decode's): only the step's own work is
-    left. What instructions_per_step counts."""
+    left. What instructions_per_step counts. `streamed`: their tokens are read as they come (an
+    event each), else only their ends."""
     absolute = ctypes.CDLL(None).abs
     # The engine publishes its snapshot every 25 ms: a step under callgrind takes about that, one
     # on the host a thousandth of it, so counted steps would publish each time where real ones don't.
     batch_engine.PUBLISH_EVERY_S = math.inf
     with BatchEngine(model, n_parallel=b, n_ctx=b * (64 + steps), n_threads=1) as engine:
         sequences = engine.submit([[1 + (i * 7 + k) % 200 for k in range(32)] for i in range(b)],
-                                  SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True))
+                                  SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True), streamed=streamed)
         while any(s.t_first_token is None for s in sequences):
             engine.step()
         real, llama_cpp.llama_decode = llama_cpp.llama_decode, lambda ctx, batch: absolute(0)
@@ -186,14 +187,14 @@ def no_decode_loop(model: str, b: int, steps: int) -> None:
             raise RuntimeError(f"a sequence ended during the counted steps: {ended[0].result()}")
 
 
-def instructions_per_step(tree: Path, model: str, b: int, steps: tuple[int, int] = (100, 300)) -> float:
+def instructions_per_step(tree: Path, model: str, b: int, streamed: bool, steps: tuple[int, int] = (100, 300)) -> float:
     """Instructions of one no-decode step of B sequences with `tree`'s llamabatch: callgrind's
     totals for two loop lengths, differenced (start-up, loading and prefill cancel out)."""
     totals = []
     with tree_first(tree) as (shim, path):
         for n in steps:
             out = Path(shim) / f"callgrind.{n}"
-            code = f"from benchmarks.overhead import no_decode_loop; no_decode_loop({model!r}, {b}, {n})"
+            code = f"from benchmarks.overhead import no_decode_loop; no_decode_loop({model!r}, {b}, {n}, {streamed})"
             run_command(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c", code],
                         env={"PYTHONPATH": path, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}, cwd=shim)
             totals.append(int(next(line for line in out.read_text().splitlines() if line.startswith("totals:")).split()[1]))
@@ -201,23 +202,27 @@ def instructions_per_step(tree: Path, model: str, b: int, steps: tuple[int, int]
 
 
 def count(args, report, trees: dict[str, Path], sizes: list[int]) -> None:
-    """--instructions: each tree's instructions per step at each B, and the fit."""
+    """--instructions: each tree's instructions per step at each B, its sequences streamed and
+    answered whole (only their ends read), and the fits."""
+    sides = {f"{name} {mode}": (tree, mode == "streamed") for name, tree in trees.items() for mode in ("streamed", "whole")}
     with tempfile.TemporaryDirectory() as tmp:
         model = str(model_path(args.model)) if args.model else str(tiny_model(Path(tmp)))
-        counts = {name: {b: instructions_per_step(tree, model, b) for b in sizes} for name, tree in trees.items()}
-    fits = {name: per_sequence(points) for name, points in counts.items()}
-    for name, (fixed, each) in fits.items():
-        report.figure(f"instructions_fixed_{name}", round(fixed))
-        report.figure(f"instructions_per_sequence_{name}", round(each))
-    last = list(trees)[-1]
+        counts = {side: {b: instructions_per_step(tree, model, b, streamed) for b in sizes} for side, (tree, streamed) in sides.items()}
+    fits = {side: per_sequence(points) for side, points in counts.items()}
+    for side, (fixed, each) in fits.items():
+        report.figure(f"instructions_fixed_{side.replace(' ', '_')}", round(fixed))
+        report.figure(f"instructions_per_sequence_{side.replace(' ', '_')}", round(each))
+    ratios = [f"{mode}: after / before" for mode in ("streamed", "whole")] if len(trees) > 1 else []
     report.table(
         "Instructions a step outside llama_decode (callgrind; llama_decode a C call returning at once)",
-        ["B", *trees, *(["after / before"] if len(trees) > 1 else [])],
-        [[b, *(round(counts[name][b]) for name in trees), *([counts[last][b] / counts["before"][b]] if len(trees) > 1 else [])]
+        ["B", *sides, *ratios],
+        [[b, *(round(counts[side][b]) for side in sides),
+          *(counts[f"llamabatch {mode}"][b] / counts[f"before {mode}"][b] for mode in ("streamed", "whole") if ratios)]
          for b in sizes] + [["fit: fixed + per sequence", *(f"{fixed:,.0f} + {each:,.0f} B" for fixed, each in fits.values()),
-                             *([""] if len(trees) > 1 else [])]],
+                             *([""] * len(ratios))]],
         "Greedy sequences, one thread, PYTHONHASHSEED 0: the same count on any load. Instructions, not time: "
-        "a Python bytecode and a C loop differ in instructions per nanosecond.",
+        "a Python bytecode and a C loop differ in instructions per nanosecond. Streamed: each token's event is "
+        "built; whole: only each sequence's end is read (generate(), job lines, a server's answers given whole).",
     )
 
 
@@ -278,7 +283,8 @@ def run(args, report) -> None:
         [[b, Spread.of([x[0] for x in split[b]]), Spread.of([x[1] for x in split[b]]), Spread.of([x[2] for x in split[b]]),
           median([x[1] for x in split[b]]) / b] for b in sizes],
         "Ours is the sum of the first two columns. The native step is B / native S_TG, of llama-batched-bench "
-        "run just before each of ours.",
+        "run just before each of ours. Sequences answered whole (no one reads their tokens as they come), as the "
+        "sweep's and llama-batched-bench's.",
     )
     for b in sizes:
         report.figure(f"python_us_per_step_b{b}", Spread.of([x[1] for x in split[b]]))

@@ -381,6 +381,39 @@ def test_two_long_prompts_are_read_together_beside_decoders_in_small_steps(make_
     assert [(r.n_generated, r.finish_reason) for r in readers] == [(4, "length")] * 2
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),  # plain greedy rows
+    SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=9, ignore_eos=True),  # plain sampled rows
+    SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2),  # the general path
+    SamplingParams(temperature=0, max_tokens=9, stop=["zzzz"], ignore_eos=True),  # a stop string watched
+], ids=["greedy", "sampled", "logprobs", "stop string"])
+def test_a_sequence_no_one_streams_sends_only_its_last_event(make_engine, params):
+    """Events are built for the tokens someone reads: a streamed sequence sends one per token
+    (their texts add up to its text), one answered whole (streamed=False) only its last, which
+    carries the same kind of Result: its text (made at its end where nothing watches it as it
+    comes) is what a stream of its tokens shows."""
+    from llamabatch.engine.text import TextStream
+
+    engine = make_engine(n_parallel=4)
+    streamed = engine.submit(PROMPTS[:2], params)
+    whole = engine.submit(PROMPTS[2:4], params, streamed=False)
+    events = [event for event in engine.run() if event.progress is None]
+    for seq in streamed:
+        mine = [e for e in events if e.uid == seq.uid]
+        assert [e.token for e in mine] == seq.tokens[seq.n_prompt :] == list(mine[-1].result.token_ids)
+        assert "".join(e.text for e in mine) == mine[-1].result.text
+        assert len(mine[-1].result.logprobs) == (9 if params.logprobs else 0)
+    for seq in whole:
+        (only,) = [e for e in events if e.uid == seq.uid]
+        assert only.finish_reason == "length" and only.result.completion_tokens == 9
+        assert only.result.token_ids == seq.tokens[seq.n_prompt :]
+        stream = TextStream(params.stop)
+        assert only.result.text == "".join(stream.push(engine.vocab.piece(t)) for t in only.result.token_ids) + stream.finish()
+        assert seq.whole_text == (not params.stop and not params.logprobs)
+        assert len(only.result.logprobs) == (9 if params.logprobs else 0)
+    assert engine.stats.completion_tokens == 4 * 9
+
+
 @pytest.mark.parametrize("streamed", [(False, False), (True, False)], ids=["none streamed", "one streamed"])
 def test_a_long_prompt_is_read_whole_beside_decoders_no_one_streams(make_engine, streamed):
     """The step budget keeps streams flowing: beside decoders whose end alone is awaited

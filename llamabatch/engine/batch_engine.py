@@ -128,9 +128,10 @@ class BatchEngine:
         score_from (or params.prompt_logprobs, which scores from the second token), the prompt's
         tokens from that index on get their log-probabilities as it is decoded. A lower priority
         runs first (queue.rank), preempting worse-ranked sequences when no slot is free.
-        `streamed`: its tokens are read as they come, so a step budget (step_target) keeps
-        their gaps short; False: only its end is awaited, and prompts beside it are read in
-        whole chunks (its gaps no one sees; its prompt neighbours' first tokens come sooner).
+        `streamed`: its tokens are read as they come, an event each, and a step budget
+        (step_target) keeps their gaps short; False: only its end is awaited, its last event
+        (with its Result) is its only one, and prompts beside it are read in whole chunks (its
+        gaps no one sees; its prompt neighbours' first tokens come sooner).
         Raises PromptError (or SamplingError, ConstraintError) when it cannot run; nothing is
         queued then."""
         return self.intake.add(prompt, params, index, score_from=score_from, priority=priority, priority_class=priority_class, streamed=streamed)

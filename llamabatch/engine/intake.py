@@ -105,6 +105,7 @@ class Intake:
             seq.special = (matcher is not None or p.logprobs is not None or p.max_tokens == 0 or budget is not None
                            or p.max_predict_s is not None or bool(p.shown_tokens))
             seq.priority, seq.priority_class, seq.streamed = priority, priority_class, streamed
+            seq.whole_text = not (streamed or seq.special or p.stop or p.n_indent)
             seq.score_from = -1 if score_from is None else score_from
             if params.max_tokens == 0 and score_from is None:  # nothing to generate, nothing to score: done
                 seq.status, seq.finish_reason = Status.FINISHED, "length"

@@ -19,16 +19,18 @@ class Postprocessor:
         self.share_prefixes = config.share_prefixes
         self._known: dict[int, tuple[bool, bytes]] = {}  # token -> (ends generation, its bytes): one lookup a token
 
-    def accept(self, seq: Sequence, token: int) -> Event:
-        """Append the sampled token; finish the sequence if it ends here (a constrained one ends
-        when its constraint is complete)."""
+    def accept(self, seq: Sequence, token: int, events: list[Event]) -> None:
+        """Append the sampled token and add its event to `events` (a sequence no one streams has
+        only its last: Sequence.streamed); finish the sequence if it ends here (a constrained one
+        ends when its constraint is complete)."""
         seq.tokens.append(token)
         if seq.matcher is not None and not seq.matcher.consume_token(token):
             # The mask allowed nothing it would take: the constraint itself broke down (llguidance
             # gave up on it, or it has a dead end), which is the request's to fix, as a schema
             # that does not compile is.
             seq.refused = True
-            return self.finish(seq, token, "", "error", f"the constraint cannot be followed: {seq.matcher.get_error()}")
+            events.append(self.finish(seq, token, "", "error", f"the constraint cannot be followed: {seq.matcher.get_error()}"))
+            return
         self.stats.completion_tokens += 1
         if seq.t_first_token is None:
             seq.t_first_token = time.perf_counter()
@@ -37,22 +39,25 @@ class Postprocessor:
             known = self._known[token] = (self.vocab.is_eog(token), self.vocab.piece(token))
         eog, piece = known
         if eog and not seq.params.ignore_eos:
-            return self.finish(seq, token, "", "stop")
+            events.append(self.finish(seq, token, "", "stop"))
+            return
+        if seq.whole_text:  # its text is made at its end
+            if len(seq.tokens) >= seq.max_len:
+                events.append(self.finish(seq, token, "", "length"))
+            return
         if token in seq.params.shown_tokens:
             piece = (self.vocab.text(token) or "").encode()
         stream = seq.stream
         text = stream.push(piece)
         if seq.thought is not None and not seq.forced:
             seq.forced = seq.thought.after(piece) or []
-        if stream.stopped or (seq.matcher is not None and seq.matcher.is_stopped()):
-            return self.finish(seq, token, text, "stop")
         limit = seq.params.max_predict_s
-        if len(seq.tokens) >= seq.max_len or (limit is not None and _out_of_time(seq, piece, limit)):
-            return self.finish(seq, token, text, "length")
-        if seq.score_from >= 0:  # its first event carries its prompt's scores
-            return event(seq, token, text)
-        # event(seq, token, text), inline: this line runs for every token of every sequence
-        return Event(seq.index, token, text, None, None, seq.sample, seq.uid, seq.logprobs[-1] if seq.logprobs else None)
+        if stream.stopped or (seq.matcher is not None and seq.matcher.is_stopped()):
+            events.append(self.finish(seq, token, text, "stop"))
+        elif len(seq.tokens) >= seq.max_len or (limit is not None and _out_of_time(seq, piece, limit)):
+            events.append(self.finish(seq, token, text, "length"))
+        elif seq.streamed:
+            events.append(event(seq, token, text))
 
     def continues(self, seq: Sequence, token: int) -> bool:
         """Whether the sequence goes on after taking `token`, as far as the token itself tells
@@ -65,8 +70,9 @@ class Postprocessor:
     def accept_plain(self, rows: list[Sequence], picks: list, events: list[Event]) -> None:
         """accept() for each row of a plain step none of whose sequences is special (no
         constraint, thought or log-probabilities), its common path inline: this loop runs for
-        every token of most steps. Each row has sampled before (its first token came with its
-        prompt's step). A pick that is an exception (its sampler failed) fails its row alone."""
+        every token of most steps (an event only where someone reads it, a text only where it is
+        watched). Each row has sampled before (its first token came with its prompt's step). A
+        pick that is an exception (its sampler failed) fails its row alone."""
         known, add, failed = self._known, events.append, 0
         for seq, token in zip(rows, picks):
             try:
@@ -80,13 +86,17 @@ class Postprocessor:
                 if entry[0] and not seq.params.ignore_eos:
                     add(self.finish(seq, token, "", "stop"))
                     continue
+                if seq.whole_text:  # its text is made at its end
+                    if len(seq.tokens) >= seq.max_len:
+                        add(self.finish(seq, token, "", "length"))
+                    continue
                 stream = seq.stream
                 text = stream.push(entry[1])
                 if stream.stopped:
                     add(self.finish(seq, token, text, "stop"))
                 elif len(seq.tokens) >= seq.max_len:
                     add(self.finish(seq, token, text, "length"))
-                else:
+                elif seq.streamed:
                     add(Event(seq.index, token, text, None, None, seq.sample, seq.uid, None))
             except Exception as e:  # noqa: BLE001 - its failure, not its neighbours'
                 if seq.status is not Status.FINISHED:
@@ -96,6 +106,8 @@ class Postprocessor:
     def finish(self, seq: Sequence, token: int | None, text: str, reason: str, error: str | None = None) -> Event:
         """The sequence is done; its KV stays in its slot as a prefix cache for later prompts
         (when prefixes are shared; else it is freed, so a deterministic filler finds room there)."""
+        if seq.whole_text:
+            text = seq.stream.push(self._shown_bytes(seq, reason))
         text += seq.stream.finish()
         self.memory.drop_swap(seq)
         seq.end(reason, error)
@@ -106,6 +118,12 @@ class Postprocessor:
         self.scheduler.release(seq)
         seq.close_samplers()
         return event(seq, token, text, reason, error)
+
+    def _shown_bytes(self, seq: Sequence, reason: str) -> bytes:
+        """A whole-text sequence's generated bytes, as its stream would have shown them token by
+        token: all but the end of generation that stopped it (the only stop it watches)."""
+        known, piece = self._known, self.vocab.piece
+        return b"".join(known[t][1] if t in known else piece(t) for t in seq.tokens[seq.n_prompt : len(seq.tokens) - (reason == "stop")])
 
     def fail(self, seq: Sequence, message: str) -> Event:
         """End a sequence with the engine's error. Its KV goes: a failed decode may have left

@@ -81,9 +81,13 @@ class Sequence:
     # (queue.rank); the class names the entry point, for metrics ("interactive", "batch").
     priority: int = 0
     priority_class: str = "interactive"
-    # Its tokens are read as they come: the step budget keeps a step short for it (else only its
-    # end is awaited, and a prompt beside it is read in whole chunks: no one sees its gaps).
+    # Its tokens are read as they come: each has an event, and the step budget keeps a step short
+    # for it. Else only its end is awaited: its last event is its only one (and its prompt's
+    # progress, if asked), and a prompt beside it is read in whole chunks (no one sees its gaps).
     streamed: bool = True
+    # Its text is made once, at its end (Postprocessor.finish): no one reads it as it comes (not
+    # streamed) and nothing watches it (no stop string, indentation limit or special sampling).
+    whole_text: bool = False
     adapters: AdapterSet = BASE  # the LoRA adapters it decodes under (its KV is theirs)
     media: tuple[MediaSpan, ...] = ()  # its prompt's images, in order: their positions are read apart from the step
     # Its M-RoPE images, and the cells they fill beyond their positions: its generated tokens sit

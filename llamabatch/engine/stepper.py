@@ -342,11 +342,11 @@ class Stepper:
             if ahead:
                 self._cut_past_ends()
             return picks
-        accept, add = self.post.accept, events.append  # bound once: the loop runs for every sequence
+        accept = self.post.accept  # bound once: the loop runs for every sequence
         for seq, pick, row in zip(due, picks, rows):
             try:
                 if type(pick) is int:
-                    add(accept(seq, pick))
+                    accept(seq, pick, events)
                 elif pick is not None:
                     raise pick
                 elif seq.draft:
@@ -431,12 +431,12 @@ class Stepper:
         seq.hold(self.memory.reject(seq.seq_id, kept, decoded=k + 1) if n_ok < k else kept)
         self.stats.draft_tokens += k
         self.stats.draft_accepted += n_ok
-        events = []
+        events: list[Event] = []
         for j, token in enumerate(picks):
             if seq.params.logprobs is not None:
                 seq.logprobs.append(token_logprob(logits[first + j], token, seq.params.logprobs))
-            events.append(self.post.accept(seq, token))
-            if events[-1].finish_reason is not None:
+            self.post.accept(seq, token, events)
+            if seq.finish_reason is not None:
                 break
         return events
 

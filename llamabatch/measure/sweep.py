@@ -122,10 +122,11 @@ def measure(engine: BatchEngine, settings: SweepSettings, b: int, seed: int = 0)
     engine.drop_cached_prefixes()  # as llama-batched-bench clears its cache before each batch
     engine.reset_stats()
     reset_peak_rss()
+    # No one reads the tokens as they come (as llama-batched-bench reads none): no event a token.
     if settings.shared_prompt:
-        sequences = engine.submit(random_prompts(1, pp, engine.vocab.n_vocab, seed), replace(params, n=b))
+        sequences = engine.submit(random_prompts(1, pp, engine.vocab.n_vocab, seed), replace(params, n=b), streamed=False)
     else:
-        sequences = engine.submit(random_prompts(b, pp, engine.vocab.n_vocab, seed), params)
+        sequences = engine.submit(random_prompts(b, pp, engine.vocab.n_vocab, seed), params, streamed=False)
     started = time.perf_counter()
     while any(seq.t_first_token is None for seq in sequences):
         engine.step()

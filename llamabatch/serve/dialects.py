@@ -36,7 +36,9 @@ async def answer(
     async with serving.using(model) as served:
         translated = await asyncio.to_thread(_translate, translate, serving.engine(served))
         request = translated.request
-        submission = await serving.submit(served, translated.inputs.prompts, translated.inputs.params, request.priority, streamed=stream)
+        # A background request's events are kept to be followed (streamed later, or now): they are read.
+        streamed = stream or background is not None
+        submission = await serving.submit(served, translated.inputs.prompts, translated.inputs.params, request.priority, streamed=streamed)
         reply = serving.reply(served, submission, translated)
         if background is not None:
             kept = serving.detach(served, events(reply, served.worker), background or reply.id)

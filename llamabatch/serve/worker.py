@@ -315,7 +315,7 @@ class EngineWorker:
         self._drain_inbox(block=False)
         for submission, seq in list(self._owners.values()):
             event = (self.engine.cancel(seq, reason) if cancel else None) or self.engine.abandon(seq, reason)
-            self._forget(event)
+            self._ended_outside_step(seq, event)
             submission.loop.call_soon_threadsafe(submission.events.put_nowait, [event])
         for pooling in self._pooling:
             pooling.loop.call_soon_threadsafe(_resolve, pooling.done, EngineUnavailable(reason))
@@ -382,7 +382,7 @@ class EngineWorker:
         for seq in [seq for owner, seq in list(self._owners.values()) if owner is submission]:
             event = self.engine.cancel(seq)
             if event is not None:
-                self._forget(event)
+                self._ended_outside_step(seq, event)
                 submission.loop.call_soon_threadsafe(submission.events.put_nowait, [event])
 
     def _run_pooling(self) -> None:
@@ -445,7 +445,12 @@ class EngineWorker:
                 return
 
     def _observe(self, seq: Sequence, event: Event, now: float, report: StepReport) -> None:
-        if event.token is not None:
+        """A step's event in the metrics. A sequence answered whole sends only its last event:
+        its tokens and first token are counted then, from its Result, and it has no gaps."""
+        if not seq.streamed:
+            if event.result is not None:
+                self._observe_whole(seq, event.result, report)
+        elif event.token is not None:
             cls = seq.priority_class
             report.tokens[cls] = report.tokens.get(cls, 0) + 1
             last = self._last_token_at.get(event.uid)
@@ -459,18 +464,31 @@ class EngineWorker:
                 self._failed(seq.priority_class, event.error or "error")
             self._forget(event, report)
 
+    @staticmethod
+    def _observe_whole(seq: Sequence, result: Result, report: StepReport) -> None:
+        cls = seq.priority_class
+        if result.completion_tokens:
+            report.tokens[cls] = report.tokens.get(cls, 0) + result.completion_tokens
+        if result.timings is not None:
+            report.first_tokens.append((cls, result.timings.ttft_s))
+
     def _failed(self, where: str, message: str) -> None:
         self.failures = (*self.failures, Failure(time.time(), where, message))[-RECENT_FAILURES:]
 
-    def _forget(self, last: Event, report: StepReport | None = None) -> None:
+    def _forget(self, last: Event, report: StepReport) -> None:
         """A sequence's last event (it carries its Result) is out: the worker holds it no more."""
         assert last.result is not None, "a last event carries its sequence's result"
         self._owners.pop(last.uid, None)
         self._last_token_at.pop(last.uid, None)
-        if report is None:  # outside a step (cancelled, the engine broke): a report of its own
-            self.observer.on_step(StepReport(0, 0.0, finished=[last.result]))
-        else:
-            report.finished.append(last.result)
+        report.finished.append(last.result)
+
+    def _ended_outside_step(self, seq: Sequence, last: Event) -> None:
+        """A sequence ended outside a step (cancelled, the engine broke): a report of its own."""
+        report = StepReport(0, 0.0)
+        if not seq.streamed and last.result is not None:
+            self._observe_whole(seq, last.result, report)
+        self._forget(last, report)
+        self.observer.on_step(report)
 
 
 def _put_each(lists: dict[Submission, list[Event]]) -> None:
