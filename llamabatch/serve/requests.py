@@ -121,7 +121,8 @@ class Serving:
         submission = Submission(loop=asyncio.get_running_loop(), priority=priority, streamed=streamed)
         try:
             # Text tokenized and the constraint compiled here, on a thread of the pool: the engine
-            # thread, which every stream waits on, only queues what it takes.
+            # thread, which every stream waits on, only queues what it takes (and encodes its
+            # images, which would slow its decodes down beside them: Intake.prepare).
             prompts = await asyncio.to_thread(engine.prepare, prompts, params)
             worker.submit(submission, prompts, [params] * len(prompts))
             await asyncio.wait_for(submission.submitted, timeout=max(0.0, submission.t_start + self.timeout - time.perf_counter()))
