@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from collections import Counter
 from dataclasses import replace
 
@@ -440,3 +441,42 @@ def test_a_long_prompt_is_read_whole_beside_decoders_no_one_streams(make_engine,
     else:
         room = engine.ctx.n_batch - len(decoders)  # whole chunks: what n_batch leaves beside the decoders
         assert read == [room] * (reader.n_prompt // room) + [reader.n_prompt % room]
+
+
+# A plain step passes through its four roles (schedule, decode, sample, accept) and the values
+# they hand on; the modules it may run code in, by role.
+PLAIN_STEP = {
+    "step": {"batch_engine", "stepper"},
+    "schedule": {"scheduling.scheduler", "scheduling.queue", "scheduling.budget"},
+    "decode": {"native.handles", "native.backend"},
+    "sample": {"sampling.picker"},
+    "accept": {"postprocess"},
+    "values": {"sequence", "results", "text"},
+}
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
+def test_a_plain_greedy_step_runs_only_its_roles_and_keeps_its_batch(make_engine, streamed):
+    """Traced: the llamabatch modules whose code a repeated plain greedy step runs. Memory,
+    speculation, adapters, the prompt cache or a new layout of the batch (rows: the step's arrays
+    are kept between steps) on that path fail here."""
+    engine = make_engine(n_parallel=4)
+    engine.submit(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), streamed=streamed)
+    for _ in range(3):
+        engine.step()
+    ran: set[str] = set()
+
+    def trace(frame, event, _arg) -> None:
+        name = frame.f_globals.get("__name__", "")
+        if event == "call" and name.startswith("llamabatch.engine."):
+            ran.add(name.removeprefix("llamabatch.engine."))
+
+    sys.setprofile(trace)
+    try:
+        events = engine.step()
+    finally:
+        sys.setprofile(None)
+    assert engine.stats.completion_tokens == 4 * 4  # the traced step sampled a token for each
+    assert len(events) == (4 if streamed else 0)
+    assert {"stepper", "scheduling.scheduler", "native.handles", "sampling.picker", "postprocess"} <= ran  # it traced the step
+    assert ran <= set().union(*PLAIN_STEP.values()), f"outside a plain step's roles: {sorted(ran - set().union(*PLAIN_STEP.values()))}"
