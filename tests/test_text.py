@@ -1,5 +1,7 @@
 """TextStream: whole characters only, and stop strings cut exactly, however the bytes arrive."""
 
+import random
+
 from llamabatch.engine.text import TextStream
 
 
@@ -21,6 +23,26 @@ def test_any_split_of_mixed_bytes_reads_as_decoding_them_whole():
     for cuts in ([1, 2, 3], [3, 4, 9], [2, 5, 6, 7, 12, 13, 14, 17, 18, 20], list(range(1, len(data)))):
         pieces = [data[i:j] for i, j in zip([0, *cuts], [*cuts, len(data)])]
         assert "".join(feed(TextStream(), pieces)) == data.decode(errors="replace"), cuts
+
+
+def test_a_piece_pushed_with_its_text_shows_what_it_shows_pushed_alone():
+    """The engine hands each piece's text along where the piece is whole characters by itself
+    (its token table): every delta must be the one decoding the bytes would give, next to split
+    characters, bad bytes and stop strings."""
+    data = "a é b 世\n🎉 c".encode() + b"\xe4x\xf0\x9fy\x80\xff" + "z€ END".encode()
+    rng = random.Random(0)
+    for stop in ((), ("END", "世\n")):
+        for _ in range(200):
+            cuts = sorted(rng.sample(range(1, len(data)), rng.randint(1, 12)))
+            pieces = [data[i:j] for i, j in zip([0, *cuts], [*cuts, len(data)])]
+            alone, hinted = TextStream(stop), TextStream(stop)
+            for piece in pieces:
+                try:
+                    text = piece.decode()
+                except UnicodeDecodeError:
+                    text = None
+                assert hinted.push(piece, text) == alone.push(piece), (cuts, piece)
+            assert hinted.finish() == alone.finish() and hinted.text == alone.text
 
 
 def test_dangling_bytes_at_the_end_show_as_replacement_character():

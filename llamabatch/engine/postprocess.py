@@ -17,7 +17,8 @@ class Postprocessor:
     def __init__(self, config: EngineConfig, vocab: Vocab, memory: Memory, scheduler: Scheduler, stats: RunStats) -> None:
         self.vocab, self.memory, self.scheduler, self.stats = vocab, memory, scheduler, stats
         self.share_prefixes = config.share_prefixes
-        self._known: dict[int, tuple[bool, bytes]] = {}  # token -> (ends generation, its bytes): one lookup a token
+        # token -> (ends generation, its bytes, its text where the bytes are whole characters): one lookup a token
+        self._known: dict[int, tuple[bool, bytes, str | None]] = {}
 
     def accept(self, seq: Sequence, token: int, events: list[Event]) -> None:
         """Append the sampled token and add its event to `events` (a sequence no one streams has
@@ -34,10 +35,7 @@ class Postprocessor:
         self.stats.completion_tokens += 1
         if seq.t_first_token is None:
             seq.t_first_token = time.perf_counter()
-        known = self._known.get(token)
-        if known is None:
-            known = self._known[token] = (self.vocab.is_eog(token), self.vocab.piece(token))
-        eog, piece = known
+        eog, piece, text = self._known.get(token) or self._learn(token)
         if eog and not seq.params.ignore_eos:
             events.append(self.finish(seq, token, "", "stop"))
             return
@@ -46,9 +44,10 @@ class Postprocessor:
                 events.append(self.finish(seq, token, "", "length"))
             return
         if token in seq.params.shown_tokens:
-            piece = (self.vocab.text(token) or "").encode()
+            text = self.vocab.text(token) or ""
+            piece = text.encode()
         stream = seq.stream
-        text = stream.push(piece)
+        text = stream.push(piece, text)
         if seq.thought is not None and not seq.forced:
             seq.forced = seq.thought.after(piece) or []
         limit = seq.params.max_predict_s
@@ -62,9 +61,7 @@ class Postprocessor:
     def continues(self, seq: Sequence, token: int) -> bool:
         """Whether the sequence goes on after taking `token`, as far as the token itself tells
         (an end of generation, its length): a stop string shows only once its text is read."""
-        entry = self._known.get(token)
-        if entry is None:
-            entry = self._known[token] = (self.vocab.is_eog(token), self.vocab.piece(token))
+        entry = self._known.get(token) or self._learn(token)
         return (not entry[0] or seq.params.ignore_eos) and len(seq.tokens) + 1 < seq.max_len
 
     def accept_plain(self, rows: list[Sequence], picks: list, events: list[Event]) -> None:
@@ -80,9 +77,7 @@ class Postprocessor:
                     failed += 1
                     raise token
                 seq.tokens.append(token)
-                entry = known.get(token)
-                if entry is None:
-                    entry = known[token] = (self.vocab.is_eog(token), self.vocab.piece(token))
+                entry = known.get(token) or self._learn(token)
                 if entry[0] and not seq.params.ignore_eos:
                     add(self.finish(seq, token, "", "stop"))
                     continue
@@ -91,7 +86,7 @@ class Postprocessor:
                         add(self.finish(seq, token, "", "length"))
                     continue
                 stream = seq.stream
-                text = stream.push(entry[1])
+                text = stream.push(entry[1], entry[2])
                 if stream.stopped:
                     add(self.finish(seq, token, text, "stop"))
                 elif len(seq.tokens) >= seq.max_len:
@@ -102,6 +97,16 @@ class Postprocessor:
                 if seq.status is not Status.FINISHED:
                     add(self.fail(seq, f"sampling failed: {type(e).__name__}: {e}"))
         self.stats.completion_tokens += len(picks) - failed
+
+    def _learn(self, token: int) -> tuple[bool, bytes, str | None]:
+        """A token's entry in the table, made the first time the token is sampled."""
+        piece = self.vocab.piece(token)
+        try:
+            text: str | None = piece.decode()
+        except UnicodeDecodeError:  # part of a character (or bad bytes): decoded with its neighbours
+            text = None
+        entry = self._known[token] = (self.vocab.is_eog(token), piece, text)
+        return entry
 
     def finish(self, seq: Sequence, token: int | None, text: str, reason: str, error: str | None = None) -> Event:
         """The sequence is done; its KV stays in its slot as a prefix cache for later prompts

@@ -39,15 +39,11 @@ class TextStream:
             self._shown[:] = ["".join(self._shown)]
         return (self._shown[0] if self._shown else "") + self._pending
 
-    def push(self, piece: bytes) -> str:
-        """Add one token's bytes; return the newly shown text (maybe empty)."""
-        if self._split or (len(piece) == 1 and piece[0] > 0x7F):  # within a character, or a lone byte of one
-            new = self._decode(piece)  # (not decode() first: its exception costs 0.4 µs, a byte token's whole cost twice)
-        else:
-            try:  # most pieces are whole characters: a third of _decode's cost
-                new = piece.decode()
-            except UnicodeDecodeError:  # a piece that ends within a character (or bad bytes)
-                new = self._decode(piece)
+    def push(self, piece: bytes, text: str | None = None) -> str:
+        """Add one token's bytes; return the newly shown text (maybe empty). `text`: the piece
+        decoded, where it is whole characters by itself (the engine keeps it a token, so most
+        pushes decode nothing)."""
+        new = text if text is not None and not self._split else self._decode(piece)
         if self._plain:  # the common case, inline: a push per token of every sequence
             if new:
                 self._shown.append(new)
