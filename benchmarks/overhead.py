@@ -162,16 +162,17 @@ def split_in(tree: Path, model: str, b: int, args, native_too: bool) -> tuple[fl
     return tuple(json.loads([line for line in out.splitlines() if line.startswith("[")][-1]))
 
 
-def no_decode_loop(model: str, b: int, steps: int, streamed: bool) -> None:
+def no_decode_loop(model: str, b: int, steps: int, streamed: bool, room: int) -> None:
     """B greedy sequences stepped `steps` times after their prefill, each llama_decode replaced by
     a C call that returns 0 (the logits stay the last real decode's): only the step's own work is
     left. What instructions_per_step counts. `streamed`: their tokens are read as they come (an
-    event each), else only their ends."""
+    event each), else only their ends. `room`: steps the context has room for, the same for every
+    loop length (a larger context costs more to set up: it would count as the steps' work)."""
     absolute = ctypes.CDLL(None).abs
     # The engine publishes its snapshot every 25 ms: a step under callgrind takes about that, one
     # on the host a thousandth of it, so counted steps would publish each time where real ones don't.
     batch_engine.PUBLISH_EVERY_S = math.inf
-    with BatchEngine(model, n_parallel=b, n_ctx=b * (64 + steps), n_threads=1) as engine:
+    with BatchEngine(model, n_parallel=b, n_ctx=b * (64 + room), n_threads=1) as engine:
         sequences = engine.submit([[1 + (i * 7 + k) % 200 for k in range(32)] for i in range(b)],
                                   SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True), streamed=streamed)
         while any(s.t_first_token is None for s in sequences):
@@ -194,7 +195,7 @@ def instructions_per_step(tree: Path, model: str, b: int, streamed: bool, steps:
     with tree_first(tree) as (shim, path):
         for n in steps:
             out = Path(shim) / f"callgrind.{n}"
-            code = f"from benchmarks.overhead import no_decode_loop; no_decode_loop({model!r}, {b}, {n}, {streamed})"
+            code = f"from benchmarks.overhead import no_decode_loop; no_decode_loop({model!r}, {b}, {n}, {streamed}, {max(steps)})"
             run_command(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, "-c", code],
                         env={"PYTHONPATH": path, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}, cwd=shim)
             totals.append(int(next(line for line in out.read_text().splitlines() if line.startswith("totals:")).split()[1]))

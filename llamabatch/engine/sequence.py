@@ -225,6 +225,10 @@ class Sequence:
             return range(0)
         return range(max(start, self.score_from - 1), min(start + n, self.n_prompt - 1))
 
+    def followers_due(self) -> list[Sequence]:
+        """Its followers that wait for exactly the prefix its memory holds now: they copy it now."""
+        return [f for f in self.followers if f.n_shared == self.n_past]
+
     @property
     def prefix_cap(self) -> int | None:
         """Where this sequence's prefill must pause so followers can copy its prefix."""

@@ -127,7 +127,7 @@ class Stepper:
         logits = self.ctx.output_logits(self.batch.n_outputs, self.vocab.n_vocab) if self.batch.n_outputs else None
         if layout is None:  # the plain step: each row took its token in and samples the next
             Sequence.advance_each(step.rows)
-            self._picked = self._sample(step, step.rows, range(len(step.rows)), logits, events)
+            self._picked = self._sample(step, step.rows, None, logits, events)
             return len(step.rows), None
         due: list[Sequence] = []
         rows: list[int] = []
@@ -230,7 +230,7 @@ class Stepper:
                 self.stats.prompt_tokens_evaluated += len(placed.rows)
                 if seq.n_past == span.end:
                     self.stats.media_read += 1
-                for follower in [f for f in seq.followers if f.n_shared == seq.n_past]:
+                for follower in seq.followers_due():
                     self._share_prefix(seq, follower, -1, [], [])
         return read
 
@@ -312,7 +312,7 @@ class Stepper:
             self.memory.checkpoint(seq.seq_id)
         row = layout.sampled[k]
         if seq.followers:
-            for follower in [f for f in seq.followers if f.n_shared == seq.n_past]:
+            for follower in seq.followers_due():
                 self._share_prefix(seq, follower, row, due, rows)
         if row >= 0:
             due.append(seq)
@@ -330,8 +330,8 @@ class Stepper:
         for waiting in [f for f in follower.followers if f.n_shared <= follower.n_past]:
             self._share_prefix(follower, waiting, row, due, rows)
 
-    def _sample(self, step: Step, due: list[Sequence], rows: list[int] | range, logits: np.ndarray, events: list[Event]) -> list:
-        """Each due sequence's pick (rows[k] is due[k]'s row of the logits) accepted, drafts
+    def _sample(self, step: Step, due: list[Sequence], rows: list[int] | None, logits: np.ndarray, events: list[Event]) -> list:
+        """Each due sequence's pick (rows[k] is due[k]'s row of the logits; None: row k) accepted, drafts
         verified; a sequence that asked for no tokens (max_tokens 0: its prompt was only scored)
         ends here. Each event joins `events` as it happens; a failure is its sequence's alone.
         Returns the picks."""
@@ -343,7 +343,7 @@ class Stepper:
                 self._cut_past_ends()
             return picks
         accept = self.post.accept  # bound once: the loop runs for every sequence
-        for seq, pick, row in zip(due, picks, rows):
+        for seq, pick, row in zip(due, picks, range(len(due)) if rows is None else rows):
             try:
                 if type(pick) is int:
                     accept(seq, pick, events)
@@ -390,7 +390,7 @@ class Stepper:
         if not self._cut_past_ends():
             return
         if self._in_batch is step:  # every row still runs
-            rows, indices = step.rows, range(len(step.rows))
+            rows, indices = step.rows, None
         else:
             indices = [k for k, seq in enumerate(step.rows) if seq.status is Status.RUNNING]
             rows = [step.rows[k] for k in indices]

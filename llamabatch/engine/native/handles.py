@@ -453,6 +453,9 @@ class Batch(_Owner):
             self.pos = np.zeros(capacity * n_pos_per_row, dtype=np.int32)
             struct.pos = self.pos.ctypes.data_as(type(struct.pos))
         self.logits = np.ctypeslib.as_array(struct.logits, shape=(capacity,))
+        # The first two arrays again as ctypes pointers: one row's item writes cost half as much
+        # through them as through numpy's scalars (set_next, one sequence decoding).
+        self._token_at, self._pos_at = (struct.token, struct.pos) if not n_embd else (None, None)
         np.ctypeslib.as_array(struct.n_seq_id, shape=(capacity,))[:] = 1
         self.seq_id = np.zeros(capacity, dtype=np.int32)
         self._row_pointers = np.ctypeslib.as_array(ctypes.cast(struct.seq_id, ctypes.POINTER(ctypes.c_size_t)), shape=(capacity,))
@@ -496,8 +499,8 @@ class Batch(_Owner):
         repeats: seq_ids and logits flags stand)."""
         n = len(tokens)
         if n == 1:
-            self.token[0] = tokens[0]
-            self.pos[0] += 1
+            self._token_at[0] = tokens[0]
+            self._pos_at[0] += 1
         else:
             self.token[:n] = tokens
             pos = self.pos[:n]

@@ -39,13 +39,21 @@ class Picker:
         if self._pool is not None:
             self._pool.shutdown()
 
-    def pick(self, due: list[Sequence], rows: list[int] | range, logits: np.ndarray, draws: bool = True,
+    def pick(self, due: list[Sequence], rows: list[int] | None, logits: np.ndarray, draws: bool = True,
              special: bool = True) -> list[Pick]:
-        """due[k]'s pick from row rows[k]. `draws` and `special`: whether any may draw, and whether
-        any is sampled otherwise than by its sampler alone (Sequence.special); False spares a
-        plain greedy step its passes over the rows. A sampler that fails fails its own pick only."""
-        if not (draws or special) and rows == range(len(logits)):  # row k is due[k]'s, each plain greedy
-            return logits.argmax(axis=1).tolist()
+        """due[k]'s pick from row rows[k] (rows None: from row k, as a plain step lays them out).
+        `draws` and `special`: whether any may draw, and whether any is sampled otherwise than by
+        its sampler alone (Sequence.special); False spares a plain greedy step its passes over the
+        rows. A sampler that fails fails its own pick only."""
+        if rows is None:
+            if not (draws or special):  # each row plain greedy
+                return logits.argmax(axis=1).tolist()
+            rows = range(len(due))
+        return self._pick_each(due, rows, logits, draws)
+
+    def _pick_each(self, due: list[Sequence], rows: list[int] | range, logits: np.ndarray, draws: bool) -> list[Pick]:
+        """pick(), row by row. (Apart from pick: its comprehensions make cells of its locals, which
+        every call would build, a plain greedy step's included.)"""
         # Followers sampling from their leader's row share it (never in a plain step: rows is a range).
         shared = set() if isinstance(rows, range) else {r for r, k in Counter(rows).items() if k > 1}
         raw = self._mask_constrained(due, rows, shared, logits)
