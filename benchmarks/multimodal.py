@@ -11,6 +11,13 @@ and llama-server (-np --slots -kvu) each driven by --clients clients. Figures: i
 (requests done over the wall time from the first request to the last answer); and, in process,
 one image asked about by 8 questions: how many times it was encoded and read into memory.
 
+Beside them, each round, the most llama.cpp computes of the job's text side: llama-batched-bench
+with --slots sequences each reading as many prompt tokens as one request does beyond the prefix
+all requests share (the image's positions and the text after it) and generating --max-tokens,
+the same threads, once for every --slots images. It skips the image encoder, reads every prompt
+in one batch and never waits for a request, so no side can pass it: it bounds what any side can
+have over llama-server.
+
 A random ViT is a small one, so encoding costs less than a real one's: the figures weigh the
 text side and the handling of images, not a vision tower's speed.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import subprocess
 import tempfile
 import threading
@@ -29,12 +37,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from llamabatch.measure.sweep import batched_bench
+
 from .harness import Spread, alternate, cli, model_path, paired, tiny_model, tiny_models
-from .servers import llama_server, llamabatch_serve
+from .servers import llama_server, llamabatch_serve, native
 
 SMOKE = ["--model", "tiny", "--rounds", "1", "--images", "8", "--clients", "2", "--slots", "2", "--max-tokens", "4",
          "--image-size", "28", "--vit-embd", "32", "--vit-layers", "1"]
-SIDES = ("llamabatch:batch", "llamabatch:serve", "llama-server")
+SIDES = ("llamabatch:batch", "llamabatch:serve", "llama-server", "batched-bench")
 QUESTION = "Describe this image in one sentence."
 
 
@@ -100,18 +110,41 @@ def drive(base: str, bodies: list[dict], clients: int) -> float:
 
 
 def batch_job(gguf: Path, projector: Path, bodies: list[dict], args, work: Path) -> float:
+    return run_batch(gguf, projector, bodies, args, work)[0]["wall_s"]  # the job's own time: the servers' exclude loading too
+
+
+def run_batch(gguf: Path, projector: Path, bodies: list[dict], args, work: Path, slots: int | None = None) -> tuple[dict, list[dict]]:
+    """`llamabatch batch` over the bodies, every line checked: its summary and its answers."""
     source = work / "job.jsonl"
     source.write_text("".join(json.dumps({"custom_id": f"image-{k}", "method": "POST", "url": "/v1/chat/completions", "body": b}) + "\n"
                               for k, b in enumerate(bodies)))
     out = work / f"out-{time.monotonic_ns()}.jsonl"
     done = subprocess.run(cli("batch", source, "-o", out, "-m", gguf, "--mmproj", projector, "--chat-template", "chatml",
-                              "--parallel", args.slots, "--ctx", ctx(args), "-t", args.threads, "--json"), capture_output=True, text=True)
+                              "--parallel", slots or args.slots, "--ctx", ctx(args), "-t", args.threads, "--json"), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"llamabatch batch failed: {done.stderr[-1000:]}")
     answered = [json.loads(line) for line in out.read_text().splitlines()]
     if len(answered) != len(bodies) or any(line["error"] for line in answered):
         raise RuntimeError(f"the batch job answered {len(answered)} of {len(bodies)} lines, or some with errors")
-    return json.loads(done.stdout.splitlines()[-1])["summary"]["wall_s"]  # the job's own time: the servers' exclude loading too
+    return json.loads(done.stdout.splitlines()[-1])["summary"], answered
+
+
+def tokens_read(gguf: Path, projector: Path, bodies: list[dict], args, work: Path) -> int:
+    """The prompt tokens a request reads beyond the prefix every request shares: the second of two
+    requests through one slot, which finds the first's prefix cached."""
+    answers = {line["custom_id"]: line for line in run_batch(gguf, projector, bodies[:2], args, work, slots=1)[1]}
+    second = answers["image-1"]["response"]["body"]["usage"]
+    return second["prompt_tokens"] - second["prompt_tokens_details"]["cached_tokens"]
+
+
+def batched_bench_job(gguf: Path, prompt: int, args) -> float:
+    """llama-batched-bench's seconds for --images requests of this shape, --slots at a time: run as
+    many times as the job has batches of --slots, so that it spans the host's drift as the sides do."""
+    command = [native("llama-batched-bench"), "-m", str(gguf), "-c", str(ctx(args)), "-npp", str(prompt), "-ntg", str(args.max_tokens),
+               "-npl", str(args.slots), "-t", str(args.threads), "-kvu"]
+    batches = math.ceil(args.images / args.slots)
+    seconds = sum(batched_bench(command, args.slots)["t"] for _ in range(batches))
+    return seconds * args.images / (batches * args.slots)
 
 
 def ctx(args) -> int:
@@ -148,11 +181,14 @@ def run(args, report) -> None:
         made = images(args.images)
         bodies = [body(image, args.max_tokens) for image in made]
         common = ["--mmproj", projector, "-t", args.threads]
+        prompt = tokens_read(gguf, projector, bodies, args, work)
 
         def measure(side: str):
             def once() -> float:
                 if side == "llamabatch:batch":
                     return batch_job(gguf, projector, bodies, args, work)
+                if side == "batched-bench":
+                    return batched_bench_job(gguf, prompt, args)
                 if side == "llama-server":
                     server = llama_server(gguf, *common, "-np", args.slots, "-c", ctx(args), "-kvu", "--chat-template", "chatml")
                 else:
@@ -169,10 +205,14 @@ def run(args, report) -> None:
         rows.append([side, Spread.of(rate)])
         report.figure(f"{side.replace(':', '_').replace('-', '_')}_images_per_s", Spread.of(rate))
     for side in [s for s in sides if s.startswith("llamabatch:")]:
-        if "llama-server" in rates:
-            ratio = paired(rates[side], rates["llama-server"])
-            rows.append([f"{side} / llama-server", ratio])
-            report.figure(f"{side.replace(':', '_')}_over_llama_server", ratio)
+        for over in [s for s in ("llama-server", "batched-bench") if s in rates]:
+            ratio = paired(rates[side], rates[over])
+            rows.append([f"{side} / {over}", ratio])
+            report.figure(f"{side.replace(':', '_')}_over_{over.replace('-', '_')}", ratio)
+    if "batched-bench" in rates and "llama-server" in rates:  # the most any side could have over llama-server
+        ratio = paired(rates["batched-bench"], rates["llama-server"])
+        rows.append(["batched-bench / llama-server", ratio])
+        report.figure("batched_bench_over_llama_server", ratio)
     for key, value in shared.items():
         report.figure(f"shared_image_{key}", value)
     report.table(
@@ -181,5 +221,7 @@ def run(args, report) -> None:
         f"{args.clients} clients for the servers, {args.threads} threads",
         ["side", "images/s"], rows,
         f"Medians (lowest–highest) of {args.rounds} alternating rounds, a fresh process each; ratios paired within rounds. "
+        f"batched-bench: llama-batched-bench, {args.slots} sequences of {prompt} prompt tokens (what a request reads beyond the shared "
+        f"prefix) and {args.max_tokens} generated, without the image encoder. "
         f"One image asked 8 questions (in process): encoded {shared['media_encoded']}×, read into memory {shared['media_read']}×.",
     )

@@ -299,7 +299,13 @@ NATIVE_ATTEMPTS = 20
 
 def native_run(engine: BatchEngine, settings: SweepSettings, b: int) -> dict:
     """One llama-batched-bench run of batch size b with settings identical to ours; its JSON row."""
-    command = [*native_command(engine, settings, b), "--output-format", "jsonl"]
+    return batched_bench(native_command(engine, settings, b), b)
+
+
+def batched_bench(command: list[str], b: int) -> dict:
+    """llama-batched-bench's JSON row for batch size b, from a command that gives its -npl (and
+    no output format), with the B = 1 run after it and the attempts above."""
+    command = [*command, "--output-format", "jsonl"]
     command[command.index("-npl") + 1] = f"{b},1"
     for attempt in range(NATIVE_ATTEMPTS):
         done = subprocess.run(command, capture_output=True, text=True)
