@@ -14,6 +14,11 @@ about native's step over (ours inside llama_decode + the rest), which is why it 
 machines whose Python and whose matrix kernels differ in speed. The Python per step is also
 fitted as a fixed cost plus a cost per sequence, over the batch sizes.
 
+The floor is a loop of bare ctypes calls (BareLoop): what any Python engine over llama-cpp-python
+pays a step. It runs against native, and against llamabatch in one process, in short blocks of
+steps that alternate: a ratio of two sides timed seconds apart, which a shared host's drift moves
+far less than it moves ratios of runs minutes apart.
+
 `--instructions` counts instead of timing (valgrind's callgrind): the instructions a step of B
 sequences executes with llama_decode replaced by a C call that returns at once, so every one is
 llamabatch's (and the binding's). A count does not change with the host's load, where a shared
@@ -45,6 +50,7 @@ from llamabatch.measure.sweep import SweepSettings, native_run
 from .harness import ROOT, Spread, alternate, cli, json_lines, median, model_path, paired, run as run_command, tiny_model
 
 SMOKE = ["--rounds", "1", "--batch-sizes", "1,4", "--gen-tokens", "8"]
+FLOOR_BLOCK = 16  # steps a side runs before the other runs as many (against_floor)
 SLOTS = (1, 64, 256)  # sequence slots of the context one sequence decodes in (the slot-pair check)
 
 
@@ -62,45 +68,109 @@ def arguments(parser) -> None:
                         help="count a step's instructions outside llama_decode under callgrind instead of timing")
 
 
+class BareLoop:
+    """The floor of any Python engine over llama-cpp-python: B greedy rows stepped by bare ctypes
+    calls (decode B rows, read the logits, one numpy argmax, write the tokens and positions back;
+    no bookkeeping at all), in a context of its own that nothing else steps. The rows start from
+    the prompts the benchmark's engine reads, so both decode at the same positions."""
+
+    def __init__(self, engine: BatchEngine, b: int, prompt_tokens: int) -> None:
+        self.ctx, self.n_vocab, self.b, self.prompt_tokens = engine.ctx.handle, engine.vocab.n_vocab, b, prompt_tokens
+        self.per_chunk = max(1, engine.ctx.n_batch // prompt_tokens)  # whole prompts a prefill decode
+        size = max(b, self.per_chunk * prompt_tokens)
+        self.batch = llama_cpp.llama_batch_init(size, 0, 1)
+        self.token, self.pos, self.logits = (np.ctypeslib.as_array(a, shape=(size,)) for a in (self.batch.token, self.batch.pos, self.batch.logits))
+
+    def close(self) -> None:
+        llama_cpp.llama_batch_free(self.batch)
+
+    def prefill(self) -> None:
+        """The B prompts read afresh (the memory cleared), each row then due its first step."""
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+        batch, b, n = self.batch, self.b, self.prompt_tokens
+        for first in range(0, b, self.per_chunk):
+            rows = [(s, p) for s in range(first, min(b, first + self.per_chunk)) for p in range(n)]
+            for i, (s, p) in enumerate(rows):
+                self.token[i], self.pos[i], batch.n_seq_id[i], batch.seq_id[i][0] = 1 + (s * 7 + p) % 200, p, 1, s
+                self.logits[i] = p == n - 1
+            batch.n_tokens = len(rows)
+            if llama_cpp.llama_decode(self.ctx, batch) != 0:
+                raise RuntimeError("the bare loop's prefill did not decode")
+        for s in range(b):
+            batch.n_seq_id[s], batch.seq_id[s][0] = 1, s
+        self.token[:b], self.pos[:b], self.logits[:b] = 1, n, 1
+        batch.n_tokens = b
+
+    def steps(self, n: int) -> float:
+        """n steps of the B rows; their seconds."""
+        ctx, batch, b, n_vocab, token, pos = self.ctx, self.batch, self.b, self.n_vocab, self.token, self.pos
+        started = time.perf_counter()
+        for _ in range(n):
+            if llama_cpp.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("the bare loop's step did not decode")
+            address = ctypes.addressof(llama_cpp.llama_get_logits(ctx).contents)
+            rows = np.frombuffer((ctypes.c_float * (b * n_vocab)).from_address(address), np.float32).reshape(b, n_vocab)
+            token[:b] = rows.argmax(axis=1)
+            pos[:b] += 1
+        return time.perf_counter() - started
+
+
 def bare_loop(model: str, b: int, args) -> list[float]:
-    """The floor of any Python engine over llama-cpp-python: S_TG of a loop of bare ctypes calls
-    (decode B rows, read the logits, one numpy argmax, write the tokens and positions back; no
-    bookkeeping at all) over native's, a ratio each round, native run beside it."""
+    """The floor's S_TG over native's, a ratio each round, native run beside it in the same
+    context settings (the engine's, whose context the loop steps; the engine itself never steps)."""
     settings = SweepSettings(batch_sizes=(b,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
     ratios = []
     with BatchEngine(model, n_parallel=b, n_ctx=settings.context, n_threads=args.threads, kv_unified=args.kv_unified) as engine:
-        ctx, n_vocab, n_batch = engine.ctx.handle, engine.vocab.n_vocab, engine.ctx.n_batch  # the engine's context, never stepped
-        batch = llama_cpp.llama_batch_init(max(b, n_batch), 0, 1)
+        bare = BareLoop(engine, b, args.prompt_tokens)
         try:
-            token, pos, logits = (np.ctypeslib.as_array(a, shape=(max(b, n_batch),)) for a in (batch.token, batch.pos, batch.logits))
             for _ in range(args.rounds):
                 theirs = native_run(engine, settings, b)["speed_tg"]
-                llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-                per_chunk = max(1, n_batch // args.prompt_tokens)  # whole prompts a prefill decode
-                for first in range(0, b, per_chunk):
-                    rows = [(s, p) for s in range(first, min(b, first + per_chunk)) for p in range(args.prompt_tokens)]
-                    for i, (s, p) in enumerate(rows):
-                        token[i], pos[i], batch.n_seq_id[i], batch.seq_id[i][0] = 1 + (s * 7 + p) % 200, p, 1, s
-                        logits[i] = p == args.prompt_tokens - 1
-                    batch.n_tokens = len(rows)
-                    if llama_cpp.llama_decode(ctx, batch) != 0:
-                        raise RuntimeError("the bare loop's prefill did not decode")
-                for s in range(b):
-                    batch.n_seq_id[s], batch.seq_id[s][0] = 1, s
-                token[:b], pos[:b], logits[:b] = 1, args.prompt_tokens, 1
-                batch.n_tokens = b
-                started = time.perf_counter()
-                for _ in range(args.gen_tokens):
-                    if llama_cpp.llama_decode(ctx, batch) != 0:
-                        raise RuntimeError("the bare loop's step did not decode")
-                    address = ctypes.addressof(llama_cpp.llama_get_logits(ctx).contents)
-                    rows = np.frombuffer((ctypes.c_float * (b * n_vocab)).from_address(address), np.float32).reshape(b, n_vocab)
-                    token[:b] = rows.argmax(axis=1)
-                    pos[:b] += 1
-                ratios.append(b * args.gen_tokens / (time.perf_counter() - started) / theirs)
+                bare.prefill()
+                ratios.append(b * args.gen_tokens / bare.steps(args.gen_tokens) / theirs)
         finally:
-            llama_cpp.llama_batch_free(batch)
+            bare.close()
     return ratios
+
+
+def against_floor(model: str, b: int, args) -> list[float]:
+    """llamabatch's S_TG over the floor's, in one process: B greedy sequences (PP, TG as the
+    sweep, answered whole) stepped by an engine, and the bare loop in a second context of the
+    same settings, in blocks of FLOOR_BLOCK steps that alternate (which goes first alternating
+    too), so that the host's drift, slow or fast, falls on both sides of each pair alike. A
+    ratio a pair of blocks, every round's."""
+    settings = SweepSettings(batch_sizes=(b,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
+    sizes = dict(n_parallel=b, n_ctx=settings.context, n_threads=args.threads, kv_unified=args.kv_unified)
+    prompts = [[1 + (i * 7 + k) % 200 for k in range(args.prompt_tokens)] for i in range(b)]
+    params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True)
+    ratios = []
+    with BatchEngine(model, **sizes) as engine, BatchEngine(model, **sizes) as host:
+        bare = BareLoop(host, b, args.prompt_tokens)
+        try:
+            for _ in range(args.rounds):
+                engine.drop_cached_prefixes()
+                sequences = engine.submit(prompts, params, streamed=False)
+                while any(s.t_first_token is None for s in sequences):  # the prefills, not timed
+                    engine.step()
+                bare.prefill()
+                for first in range(1, args.gen_tokens, FLOOR_BLOCK):  # the prefill sampled each first token
+                    n = min(FLOOR_BLOCK, args.gen_tokens - first)
+                    if len(ratios) % 2:
+                        theirs, ours = bare.steps(n), engine_steps(engine, n)
+                    else:
+                        ours, theirs = engine_steps(engine, n), bare.steps(n)
+                    ratios.append(theirs / ours)
+                if engine.has_work:
+                    raise RuntimeError("the engine's sequences did not end with the bare loop's steps")
+        finally:
+            bare.close()
+    return ratios
+
+
+def engine_steps(engine: BatchEngine, n: int) -> float:
+    started = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+    return time.perf_counter() - started
 
 
 def step_split(model: str, b: int, args, slots: int | None = None, native_too: bool = True) -> tuple[float, float, float | None]:
@@ -260,6 +330,7 @@ def run(args, report) -> None:
                                 for name, tree in trees.items()}, args.rounds, label=f"step split B={b}") for b in sizes}
         split = {b: splits[b]["llamabatch"] for b in sizes}
         floor = {b: bare_loop(model, b, args) for b in sizes}
+        ours_over_floor = {b: against_floor(model, b, args) for b in sizes}
         by_slots = {n: [] for n in SLOTS}
         for _ in range(args.rounds):
             for n in SLOTS:
@@ -303,15 +374,19 @@ def run(args, report) -> None:
         "Medians (lowest–highest) of the rounds; the fit is least squares over the batch sizes' medians.",
     )
     report.table(
-        "The floor: a loop of bare ctypes calls against native (S_TG / native S_TG)",
-        ["B", "bare loop / native", "llamabatch / native (first table)"],
-        [[b, Spread.of(floor[b]), rows[k][-1]] for k, b in enumerate(sizes)],
-        "Each step decodes B rows, reads the logits and takes one numpy argmax, nothing else, in the engine's own "
-        "context; native runs beside it each round. What llama-cpp-python's ctypes calls and numpy cost a step "
-        "already, before any engine.",
+        "The floor: a loop of bare ctypes calls, against native and against llamabatch (S_TG ratios)",
+        ["B", "bare loop / native", "llamabatch / native (first table)", "llamabatch / bare loop (one process)"],
+        [[b, Spread.of(floor[b]), rows[k][-1], Spread.of(ours_over_floor[b])] for k, b in enumerate(sizes)],
+        "Each step of the bare loop decodes B rows, reads the logits and takes one numpy argmax, nothing else: what "
+        "llama-cpp-python's ctypes calls and numpy cost a step already, before any engine. Against native it runs in "
+        "the engine's context, native beside it each round. Against llamabatch it runs in a second context of the same "
+        f"settings in the engine's process, in blocks of {FLOOR_BLOCK} steps alternating with the engine's (the same "
+        "positions on both sides): median (lowest–highest) of the blocks' ratios, so a drift of the host's speed falls on "
+        "both sides alike.",
     )
     for b in sizes:
         report.figure(f"bare_loop_ratio_b{b}", Spread.of(floor[b]))
+        report.figure(f"llamabatch_over_bare_loop_b{b}", Spread.of(ours_over_floor[b]))
     report.table(
         "One sequence's llama_decode against the sequence slots of its context (µs per step)",
         ["slots (--parallel)", "inside llama_decode", f"over {SLOTS[0]} slot"],
