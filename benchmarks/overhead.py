@@ -137,11 +137,14 @@ def against_floor(model: str, b: int, args) -> list[float]:
     sweep, answered whole) stepped by an engine, and the bare loop in a second context of the
     same settings, in blocks of FLOOR_BLOCK steps that alternate (which goes first alternating
     too), so that the host's drift, slow or fast, falls on both sides of each pair alike. A
-    ratio a pair of blocks, every round's."""
-    settings = SweepSettings(batch_sizes=(b,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
+    ratio a pair of blocks, every round's. Only steps of all B sequences are timed: prompts
+    read over several steps start decoding up to a few steps apart, so the sequences may take
+    FLOOR_BLOCK tokens more than TG, and the steps after the timed ones (the first to start
+    ending first) run untimed."""
+    settings = SweepSettings(batch_sizes=(b,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens + FLOOR_BLOCK)
     sizes = dict(n_parallel=b, n_ctx=settings.context, n_threads=args.threads, kv_unified=args.kv_unified)
     prompts = [[1 + (i * 7 + k) % 200 for k in range(args.prompt_tokens)] for i in range(b)]
-    params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=settings.gen_tokens, ignore_eos=True)
     ratios = []
     with BatchEngine(model, **sizes) as engine, BatchEngine(model, **sizes) as host:
         bare = BareLoop(host, b, args.prompt_tokens)
@@ -159,8 +162,10 @@ def against_floor(model: str, b: int, args) -> list[float]:
                     else:
                         ours, theirs = engine_steps(engine, n), bare.steps(n)
                     ratios.append(theirs / ours)
-                if engine.has_work:
-                    raise RuntimeError("the engine's sequences did not end with the bare loop's steps")
+                if any(s.finish_reason is not None for s in sequences):
+                    raise RuntimeError(f"a sequence ended within the timed steps: prompts began decoding over {FLOOR_BLOCK} steps apart")
+                while engine.has_work:
+                    engine.step()
         finally:
             bare.close()
     return ratios
