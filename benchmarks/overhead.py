@@ -76,30 +76,42 @@ class BareLoop:
 
     def __init__(self, engine: BatchEngine, b: int, prompt_tokens: int) -> None:
         self.ctx, self.n_vocab, self.b, self.prompt_tokens = engine.ctx.handle, engine.vocab.n_vocab, b, prompt_tokens
-        self.per_chunk = max(1, engine.ctx.n_batch // prompt_tokens)  # whole prompts a prefill decode
-        size = max(b, self.per_chunk * prompt_tokens)
+        self.n_batch = engine.ctx.n_batch
+        size = max(b, self.n_batch)
         self.batch = llama_cpp.llama_batch_init(size, 0, 1)
         self.token, self.pos, self.logits = (np.ctypeslib.as_array(a, shape=(size,)) for a in (self.batch.token, self.batch.pos, self.batch.logits))
 
     def close(self) -> None:
         llama_cpp.llama_batch_free(self.batch)
 
-    def prefill(self) -> None:
-        """The B prompts read afresh (the memory cleared), each row then due its first step."""
+    def prefill(self, lengths: list[int] | None = None) -> None:
+        """The memory cleared, row s reads `lengths[s]` tokens (default: the prompt; more where
+        the engine's sequence has decoded tokens since), whole rows a decode up to n_batch; each
+        row is then due its next step at the position after them. The KV cache then holds as
+        many cells as the engine's, which the attention's cost follows."""
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
-        batch, b, n = self.batch, self.b, self.prompt_tokens
-        for first in range(0, b, self.per_chunk):
-            rows = [(s, p) for s in range(first, min(b, first + self.per_chunk)) for p in range(n)]
-            for i, (s, p) in enumerate(rows):
-                self.token[i], self.pos[i], batch.n_seq_id[i], batch.seq_id[i][0] = 1 + (s * 7 + p) % 200, p, 1, s
-                self.logits[i] = p == n - 1
-            batch.n_tokens = len(rows)
-            if llama_cpp.llama_decode(self.ctx, batch) != 0:
-                raise RuntimeError("the bare loop's prefill did not decode")
-        for s in range(b):
+        lengths = lengths or [self.prompt_tokens] * self.b
+        if max(lengths) > self.n_batch:
+            raise ValueError(f"a bare row of {max(lengths)} tokens does not fit n_batch ({self.n_batch})")
+        batch, chunk = self.batch, []
+        for s, n in enumerate(lengths):
+            if len(chunk) + n > self.n_batch:
+                self._decode_prefill(chunk)
+                chunk = []
+            chunk += [(s, p, p == n - 1) for p in range(n)]
+        self._decode_prefill(chunk)
+        for s in range(self.b):
             batch.n_seq_id[s], batch.seq_id[s][0] = 1, s
-        self.token[:b], self.pos[:b], self.logits[:b] = 1, n, 1
-        batch.n_tokens = b
+        self.token[: self.b], self.pos[: self.b], self.logits[: self.b] = 1, lengths, 1
+        batch.n_tokens = self.b
+
+    def _decode_prefill(self, rows: list[tuple[int, int, bool]]) -> None:
+        batch = self.batch
+        for i, (s, p, last) in enumerate(rows):
+            self.token[i], self.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], self.logits[i] = 1 + (s * 7 + p) % 200, p, 1, s, last
+        batch.n_tokens = len(rows)
+        if llama_cpp.llama_decode(self.ctx, batch) != 0:
+            raise RuntimeError("the bare loop's prefill did not decode")
 
     def steps(self, n: int) -> float:
         """n steps of the B rows; their seconds."""
@@ -154,7 +166,9 @@ def against_floor(model: str, b: int, args) -> list[float]:
                 sequences = engine.submit(prompts, params, streamed=False)
                 while any(s.t_first_token is None for s in sequences):  # the prefills, not timed
                     engine.step()
-                bare.prefill()
+                # Each row as long as its sequence: a sequence that began decoding steps before the
+                # last holds as many more cells, which a step's attention reads.
+                bare.prefill([args.prompt_tokens + s.n_generated - 1 for s in sequences])
                 for first in range(1, args.gen_tokens, FLOOR_BLOCK):  # the prefill sampled each first token
                     n = min(FLOOR_BLOCK, args.gen_tokens - first)
                     if len(ratios) % 2:
