@@ -54,6 +54,16 @@ FLOOR_BLOCK = 16  # steps a side runs before the other runs as many (against_flo
 SLOTS = (1, 64, 256)  # sequence slots of the context one sequence decodes in (the slot-pair check)
 
 
+def prompt_token(s: int, p: int) -> int:
+    """Token p of sequence s's prompt: the prompts differ, so no prefix is shared, and every side
+    (engine, bare loop, counted loop) reads the same ones."""
+    return 1 + (s * 7 + p) % 200
+
+
+def prompts(b: int, n: int) -> list[list[int]]:
+    return [[prompt_token(s, p) for p in range(n)] for s in range(b)]
+
+
 def arguments(parser) -> None:
     parser.add_argument("--model", default=None, help="GGUF path or catalog name (default: the tests' tiny model)")
     parser.add_argument("--before", type=Path, default=None, help="another checkout to compare with")
@@ -108,7 +118,7 @@ class BareLoop:
     def _decode_prefill(self, rows: list[tuple[int, int, bool]]) -> None:
         batch = self.batch
         for i, (s, p, last) in enumerate(rows):
-            self.token[i], self.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], self.logits[i] = 1 + (s * 7 + p) % 200, p, 1, s, last
+            self.token[i], self.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], self.logits[i] = prompt_token(s, p), p, 1, s, last
         batch.n_tokens = len(rows)
         if llama_cpp.llama_decode(self.ctx, batch) != 0:
             raise RuntimeError("the bare loop's prefill did not decode")
@@ -155,7 +165,6 @@ def against_floor(model: str, b: int, args) -> list[float]:
     ending first) run untimed."""
     settings = SweepSettings(batch_sizes=(b,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens + FLOOR_BLOCK)
     sizes = dict(n_parallel=b, n_ctx=settings.context, n_threads=args.threads, kv_unified=args.kv_unified)
-    prompts = [[1 + (i * 7 + k) % 200 for k in range(args.prompt_tokens)] for i in range(b)]
     params = SamplingParams(temperature=0, max_tokens=settings.gen_tokens, ignore_eos=True)
     ratios = []
     with BatchEngine(model, **sizes) as engine, BatchEngine(model, **sizes) as host:
@@ -163,7 +172,7 @@ def against_floor(model: str, b: int, args) -> list[float]:
         try:
             for _ in range(args.rounds):
                 engine.drop_cached_prefixes()
-                sequences = engine.submit(prompts, params, streamed=False)
+                sequences = engine.submit(prompts(b, args.prompt_tokens), params, streamed=False)
                 while any(s.t_first_token is None for s in sequences):  # the prefills, not timed
                     engine.step()
                 # Each row as long as its sequence: a sequence that began decoding steps before the
@@ -211,12 +220,11 @@ def step_split(model: str, b: int, args, slots: int | None = None, native_too: b
             inside[1] += 1
 
     with BatchEngine(model, n_parallel=slots, n_ctx=context, n_threads=args.threads, kv_unified=args.kv_unified) as engine:
-        prompts = [[1 + (i * 7 + k) % 200 for k in range(args.prompt_tokens)] for i in range(b)]
         params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True)
-        engine.generate(prompts, params)  # warm
+        engine.generate(prompts(b, args.prompt_tokens), params)  # warm
         native_step = b / native_run(engine, replace(settings, batch_sizes=(b,)), b)["speed_tg"] * 1e6 if native_too else None
         engine.drop_cached_prefixes()
-        sequences = engine.submit(prompts, params, streamed=False)  # as the sweep: no one reads them as they come
+        sequences = engine.submit(prompts(b, args.prompt_tokens), params, streamed=False)  # as the sweep: no one reads them as they come
         while any(s.t_first_token is None for s in sequences):  # the prefill, not counted
             engine.step()
         llama_cpp.llama_decode = timed
@@ -262,8 +270,8 @@ def no_decode_loop(model: str, b: int, steps: int, streamed: bool, room: int) ->
     # on the host a thousandth of it, so counted steps would publish each time where real ones don't.
     batch_engine.PUBLISH_EVERY_S = math.inf
     with BatchEngine(model, n_parallel=b, n_ctx=b * (64 + room), n_threads=1) as engine:
-        sequences = engine.submit([[1 + (i * 7 + k) % 200 for k in range(32)] for i in range(b)],
-                                  SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True), streamed=streamed)
+        params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+        sequences = engine.submit(prompts(b, 32), params, streamed=streamed)
         while any(s.t_first_token is None for s in sequences):
             engine.step()
         real, llama_cpp.llama_decode = llama_cpp.llama_decode, lambda ctx, batch: absolute(0)
