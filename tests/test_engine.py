@@ -7,9 +7,12 @@ import sys
 from collections import Counter
 from dataclasses import replace
 
+import llama_cpp
 import pytest
 
 from llamabatch import PromptError, SamplingParams
+from llamabatch.engine.native.backend import GGML_LOG_LEVEL_WARN, MAX_KEPT_WARNINGS, log
+from llamabatch.engine.native.handles import POSITIONS_AHEAD
 
 from reference import batch_seq_ids, reference_greedy
 
@@ -61,6 +64,47 @@ def test_batch_rows_hold_positions_seq_ids_and_logits_flags(make_engine):
     assert list(batch.pos[: 2 + rest]) == [lengths[0], lengths[1], *range(n_c, n_c + rest)]
     assert list(batch.token[:2]) == [a.tokens[lengths[0]], b.tokens[lengths[1]]]
     assert [i for i in range(2 + rest) if batch.logits[i]] == [0, 1] + ([1 + rest] if c_done else [])
+
+
+@pytest.mark.parametrize("n_seqs", [1, 3])
+def test_a_repeating_plain_step_gives_llama_cpp_each_rows_next_position(make_engine, n_seqs):
+    """A plain step handed over again writes only its new tokens; its positions were written
+    ahead, POSITIONS_AHEAD steps at a time. Through more than two such spans, each row llama.cpp
+    reads holds its sequence's newest token at the position after the one before."""
+    engine = make_engine(n_parallel=n_seqs)
+    steps = 2 * POSITIONS_AHEAD + 9
+    sequences = engine.submit(PROMPTS[:n_seqs], SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    engine.step()  # the prompts
+    batch = engine.batch.handle  # the struct llama_decode is handed
+    for _ in range(steps):
+        engine.step()
+        assert batch.n_tokens == n_seqs
+        assert [batch.pos[i] for i in range(n_seqs)] == [s.n_past - 1 for s in sequences]
+        assert [batch.token[i] for i in range(n_seqs)] == [s.tokens[s.n_past - 1] for s in sequences]
+    assert [s.finish_reason for s in sequences] == ["length"] * n_seqs and engine.stats.failed_decodes == 0
+
+
+@pytest.mark.parametrize("warned_before", [0, 2 * MAX_KEPT_WARNINGS])
+def test_memory_changed_behind_a_repeating_plain_step_fails_its_sequence_alone(make_engine, warned_before):
+    """The positions a repeating plain step hands llama.cpp are the engine's own, which llama.cpp
+    checks against its memory: one sequence's memory overwritten by another's mid-run fails that
+    sequence at once, named by llama.cpp, and the others run to their ends. However many
+    warnings the process logged before (more than the log keeps), llama.cpp's reason is the one
+    its refusal gave."""
+    for _ in range(warned_before):
+        log.write(GGML_LOG_LEVEL_WARN, "an earlier warning\n")
+    engine = make_engine(n_parallel=4)
+    sequences = engine.submit(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    victim, longer = sequences[0], sequences[1]
+    assert longer.n_past > victim.n_past
+    llama_cpp.llama_memory_seq_cp(llama_cpp.llama_get_memory(engine.ctx.handle), longer.seq_id, victim.seq_id, -1, -1)
+    while engine.has_work:
+        engine.step()
+    assert victim.finish_reason == "error" and "inconsistent sequence positions" in victim.error, victim.error
+    assert engine.stats.failed_decodes == 1 and engine.stats.failed_steps == 0
+    assert [s.finish_reason for s in sequences if s is not victim] == ["length"] * 3
 
 
 def test_a_prompt_chunk_cut_to_one_token_asks_for_no_logits(make_engine, tiny_model):

@@ -19,6 +19,7 @@ class Postprocessor:
         self.share_prefixes = config.share_prefixes
         # token -> (ends generation, its bytes, its text where the bytes are whole characters): one lookup a token
         self._known: dict[int, tuple[bool, bytes, str | None]] = {}
+        self._goes_on: set[int] = set()  # the tokens learned so far that do not end generation: one lookup a plain row whose text is whole
 
     def accept(self, seq: Sequence, token: int, events: list[Event]) -> None:
         """Append the sampled token and add its event to `events` (a sequence no one streams has
@@ -70,26 +71,27 @@ class Postprocessor:
         every token of most steps (an event only where someone reads it, a text only where it is
         watched). Each row has sampled before (its first token came with its prompt's step). A
         pick that is an exception (its sampler failed) fails its row alone."""
-        known, add, failed = self._known, events.append, 0
+        known, goes_on, add, failed = self._known, self._goes_on, events.append, 0
         for seq, token in zip(rows, picks):
             try:
                 if type(token) is not int:
                     failed += 1
                     raise token
-                seq.tokens.append(token)
-                entry = known.get(token) or self._learn(token)
-                if entry[0] and not seq.params.ignore_eos:
+                tokens = seq.tokens
+                tokens.append(token)
+                if token not in goes_on and (known.get(token) or self._learn(token))[0] and not seq.params.ignore_eos:
                     add(self.finish(seq, token, "", "stop"))
                     continue
                 if seq.whole_text:  # its text is made at its end
-                    if len(seq.tokens) >= seq.max_len:
+                    if len(tokens) >= seq.max_len:
                         add(self.finish(seq, token, "", "length"))
                     continue
+                entry = known.get(token) or self._learn(token)
                 stream = seq.stream
                 text = stream.push(entry[1], entry[2])
                 if stream.stopped:
                     add(self.finish(seq, token, text, "stop"))
-                elif len(seq.tokens) >= seq.max_len:
+                elif len(tokens) >= seq.max_len:
                     add(self.finish(seq, token, text, "length"))
                 elif seq.streamed:
                     add(Event(seq.index, token, text, None, None, seq.sample, seq.uid, None))
@@ -106,6 +108,8 @@ class Postprocessor:
         except UnicodeDecodeError:  # part of a character (or bad bytes): decoded with its neighbours
             text = None
         entry = self._known[token] = (self.vocab.is_eog(token), piece, text)
+        if not entry[0]:
+            self._goes_on.add(token)
         return entry
 
     def finish(self, seq: Sequence, token: int | None, text: str, reason: str, error: str | None = None) -> Event:

@@ -7,6 +7,7 @@ import ctypes
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -38,7 +39,8 @@ class _LogRouter:
     def __init__(self) -> None:
         self.verbose = False
         self.captured: list[str] | None = None
-        self.warnings: list[str] = []  # text of the latest WARN/ERROR messages (and their continuations)
+        self.warnings: deque[str] = deque(maxlen=MAX_KEPT_WARNINGS)  # the latest WARN/ERROR messages' pieces (and their continuations)
+        self.n_warnings = 0  # pieces ever kept: a mark, which the dropping of old pieces leaves valid
         self._warning = False  # the last message was one: a continuation (CONT) belongs to it
 
     def write(self, level: int, text: str) -> None:
@@ -50,11 +52,13 @@ class _LogRouter:
             self._warning = level >= GGML_LOG_LEVEL_WARN
         if self._warning:
             self.warnings.append(text)
-            del self.warnings[:-MAX_KEPT_WARNINGS]
+            self.n_warnings += 1
 
     def said_since(self, mark: int) -> str:
-        """What llama.cpp warned about since `mark` (len(warnings) then), as one line."""
-        return " ".join(" ".join(self.warnings[mark:]).split())
+        """What llama.cpp warned about since `mark` (n_warnings then; what is still kept of it), as one line."""
+        new = min(self.n_warnings - mark, len(self.warnings))
+        pieces = list(self.warnings)[-new:] if new else []
+        return " ".join(" ".join(pieces).split())
 
     @contextmanager
     def capture(self) -> Iterator[list[str]]:

@@ -24,7 +24,9 @@ INVALID_BATCH = -1  # llama_decode refused the batch before computing anything (
 # llama_get_logits returning the address as an int: the binding's POINTER result costs a ctypes
 # object and its .contents another, every step.
 _logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(ctypes.cast(llama_cpp.llama_get_logits, ctypes.c_void_p).value)
-_ONE = np.int32(1)  # Batch.set_next's increment
+# Steps of a plain step that repeats whose positions Batch.set_next writes at once.
+POSITIONS_AHEAD = 64
+_AHEAD = np.arange(1, POSITIONS_AHEAD + 1, dtype=np.int32)[:, None]
 
 
 class _Owner:
@@ -355,7 +357,7 @@ class Context(_Owner):
 
     def decode(self, batch: Batch) -> None:
         backend.process.decoded = True
-        mark = len(backend.log.warnings)
+        mark = backend.log.n_warnings
         code = awaiting_backends(llama_cpp.llama_decode, self.handle, batch.handle)
         if code != 0:
             raise DecodeError(code, backend.log.said_since(mark) or None)
@@ -456,6 +458,12 @@ class Batch(_Owner):
         # The first two arrays again as ctypes pointers: one row's item writes cost half as much
         # through them as through numpy's scalars (set_next, one sequence decoding).
         self._token_at, self._pos_at = (struct.token, struct.pos) if not n_embd else (None, None)
+        # The struct's pos field as a writable address (set_next aims it at a row of _ahead).
+        self._pos_field = ctypes.c_void_p.from_buffer(struct, type(struct).pos.offset)
+        self._own_pos = self._pos_field.value
+        self._ahead: np.ndarray | None = None  # set_next's positions for the steps to come, a row a step
+        self._ahead_rows: list[int] = []  # their addresses
+        self._ahead_at = 0  # the row in use
         np.ctypeslib.as_array(struct.n_seq_id, shape=(capacity,))[:] = 1
         self.seq_id = np.zeros(capacity, dtype=np.int32)
         self._row_pointers = np.ctypeslib.as_array(ctypes.cast(struct.seq_id, ctypes.POINTER(ctypes.c_size_t)), shape=(capacity,))
@@ -466,7 +474,7 @@ class Batch(_Owner):
 
     def _free(self, struct) -> None:
         self._row_pointers[:] = self._malloced  # llama_batch_free frees what llama_batch_init allocated
-        struct.pos = ctypes.cast(self._malloced_pos, type(struct.pos))
+        self._pos_field.value = self._malloced_pos
         llama_cpp.llama_batch_free(struct)
 
     @property
@@ -484,6 +492,8 @@ class Batch(_Owner):
         n = len(tokens)
         if n > self.capacity:
             raise ValueError(f"batch overflow: {n} tokens > capacity {self.capacity}")
+        if self._ahead is not None:
+            self._pos_field.value, self._ahead = self._own_pos, None
         if n == 1:  # one sequence decoding: scalar writes cost a quarter of slice writes
             self.token[0], self.pos[0], self.seq_id[0] = tokens[0], pos[0], seq_ids[0]
             self.logits[0] = 1 if logits is None else logits[0]
@@ -496,12 +506,23 @@ class Batch(_Owner):
 
     def set_next(self, tokens: list[int]) -> None:
         """The same rows again, each with a new token at its next position (a plain step that
-        repeats: seq_ids and logits flags stand)."""
+        repeats: seq_ids and logits flags stand). The positions of the next POSITIONS_AHEAD
+        steps are written at once, a row each, and the batch's pos pointer moves one row a step:
+        a numpy increment every step costs a tenth of the Python of a step of eight."""
         n = len(tokens)
-        if n == 1:
+        if n == 1:  # two item writes
             self._token_at[0] = tokens[0]
             self._pos_at[0] += 1
-        else:
-            self.token[:n] = tokens
-            pos = self.pos[:n]
-            np.add(pos, _ONE, out=pos)  # (pos += 1 costs twice this: the operator's own dispatch)
+            return
+        self.token[:n] = tokens
+        at = self._ahead_at + 1
+        if self._ahead is None or at == POSITIONS_AHEAD:
+            self._write_ahead(n)
+            at = 0
+        self._pos_field.value, self._ahead_at = self._ahead_rows[at], at
+
+    def _write_ahead(self, n: int) -> None:
+        """The next POSITIONS_AHEAD steps' positions of the n rows, after those in use."""
+        last = self.pos[:n] if self._ahead is None else self._ahead[-1]
+        self._ahead = last + _AHEAD
+        self._ahead_rows = list(range(self._ahead.ctypes.data, self._ahead.ctypes.data + self._ahead.nbytes, self._ahead.strides[0]))
