@@ -26,7 +26,7 @@ INVALID_BATCH = -1  # llama_decode refused the batch before computing anything (
 _logits_address = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(ctypes.cast(llama_cpp.llama_get_logits, ctypes.c_void_p).value)
 # Steps of a plain step that repeats whose positions Batch.set_next writes at once.
 POSITIONS_AHEAD = 64
-_AHEAD = np.arange(1, POSITIONS_AHEAD + 1, dtype=np.int32)[:, None]
+_STEPS_AHEAD = np.arange(1, POSITIONS_AHEAD + 1, dtype=np.int32)[:, None]  # added to the positions in use
 
 
 class _Owner:
@@ -510,7 +510,7 @@ class Batch(_Owner):
         steps are written at once, a row each, and the batch's pos pointer moves one row a step:
         a numpy increment every step costs a tenth of the Python of a step of eight."""
         n = len(tokens)
-        if n == 1:  # two item writes
+        if n == 1:  # two item writes, cheaper than moving the pointer: one row keeps its own array
             self._token_at[0] = tokens[0]
             self._pos_at[0] += 1
             return
@@ -524,5 +524,5 @@ class Batch(_Owner):
     def _write_ahead(self, n: int) -> None:
         """The next POSITIONS_AHEAD steps' positions of the n rows, after those in use."""
         last = self.pos[:n] if self._ahead is None else self._ahead[-1]
-        self._ahead = last + _AHEAD
+        self._ahead = last + _STEPS_AHEAD
         self._ahead_rows = list(range(self._ahead.ctypes.data, self._ahead.ctypes.data + self._ahead.nbytes, self._ahead.strides[0]))
