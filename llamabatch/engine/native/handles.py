@@ -455,9 +455,10 @@ class Batch(_Owner):
             self.pos = np.zeros(capacity * n_pos_per_row, dtype=np.int32)
             struct.pos = self.pos.ctypes.data_as(type(struct.pos))
         self.logits = np.ctypeslib.as_array(struct.logits, shape=(capacity,))
-        # The first two arrays again as ctypes pointers: one row's item writes cost half as much
-        # through them as through numpy's scalars (set_next, one sequence decoding).
-        self._token_at, self._pos_at = (struct.token, struct.pos) if not n_embd else (None, None)
+        # The tokens again as a ctypes array, and the positions as a pointer: set_next's writes
+        # of a list cost half as much through them as through numpy, which converts the list first.
+        self._tokens = (ctypes.c_int32 * capacity).from_address(self.token.ctypes.data) if not n_embd else None
+        self._pos_at = struct.pos if not n_embd else None
         # The struct's pos field as a writable address (set_next aims it at a row of _ahead).
         self._pos_field = ctypes.c_void_p.from_buffer(struct, type(struct).pos.offset)
         self._own_pos = self._pos_field.value
@@ -511,10 +512,10 @@ class Batch(_Owner):
         a numpy increment every step costs a tenth of the Python of a step of eight."""
         n = len(tokens)
         if n == 1:  # two item writes, cheaper than moving the pointer: one row keeps its own array
-            self._token_at[0] = tokens[0]
+            self._tokens[0] = tokens[0]
             self._pos_at[0] += 1
             return
-        self.token[:n] = tokens
+        self._tokens[:n] = tokens
         at = self._ahead_at + 1
         if self._ahead is None or at == POSITIONS_AHEAD:
             self._write_ahead(n)
