@@ -17,7 +17,9 @@ fitted as a fixed cost plus a cost per sequence, over the batch sizes.
 The floor is a loop of bare ctypes calls (BareLoop): what any Python engine over llama-cpp-python
 pays a step. It runs against native, and against llamabatch in one process, in short blocks of
 steps that alternate: a ratio of two sides timed seconds apart, which a shared host's drift moves
-far less than it moves ratios of runs minutes apart.
+far less than it moves ratios of runs minutes apart. The same blocks time each side outside
+llama_decode: the engine's over the bare loop's is the Python llamabatch adds, as it runs, on the
+caches a decode has just used (which the bare loop's own reading of the logits pays too).
 
 `--instructions` counts instead of timing (valgrind's callgrind): the instructions a step of B
 sequences executes with llama_decode replaced by a C call that returns at once, so every one is
@@ -36,8 +38,8 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import llama_cpp
@@ -154,20 +156,30 @@ def bare_loop(model: str, b: int, args) -> list[float]:
     return ratios
 
 
-def against_floor(model: str, b: int, args) -> list[float]:
+@dataclass(frozen=True)
+class FloorPair:
+    """A pair of blocks of against_floor: the floor's seconds over ours (llamabatch's S_TG over the
+    floor's), and each side's µs a step outside llama_decode."""
+
+    ratio: float
+    ours_outside: float
+    floor_outside: float
+
+
+def against_floor(model: str, b: int, args) -> list[FloorPair]:
     """llamabatch's S_TG over the floor's, in one process: B greedy sequences (PP, TG as the
     sweep, answered whole) stepped by an engine, and the bare loop in a second context of the
     same settings, in blocks of FLOOR_BLOCK steps that alternate (which goes first alternating
     too), so that the host's drift, slow or fast, falls on both sides of each pair alike. A
-    ratio a pair of blocks, every round's. Only steps of all B sequences are timed: prompts
+    FloorPair a pair of blocks, every round's. Only steps of all B sequences are timed: prompts
     read over several steps start decoding up to a few steps apart, so the sequences may take
     FLOOR_BLOCK tokens more than TG, and the steps after the timed ones (the first to start
     ending first) run untimed."""
     settings = SweepSettings(batch_sizes=(b,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens + FLOOR_BLOCK)
     sizes = dict(n_parallel=b, n_ctx=settings.context, n_threads=args.threads, kv_unified=args.kv_unified)
     params = SamplingParams(temperature=0, max_tokens=settings.gen_tokens, ignore_eos=True)
-    ratios = []
-    with BatchEngine(model, **sizes) as engine, BatchEngine(model, **sizes) as host:
+    pairs: list[FloorPair] = []
+    with BatchEngine(model, **sizes) as engine, BatchEngine(model, **sizes) as host, decode_clock() as inside:
         bare = BareLoop(host, b, args.prompt_tokens)
         try:
             for _ in range(args.rounds):
@@ -180,18 +192,48 @@ def against_floor(model: str, b: int, args) -> list[float]:
                 bare.prefill([args.prompt_tokens + s.n_generated - 1 for s in sequences])
                 for first in range(1, args.gen_tokens, FLOOR_BLOCK):  # the prefill sampled each first token
                     n = min(FLOOR_BLOCK, args.gen_tokens - first)
-                    if len(ratios) % 2:
-                        theirs, ours = bare.steps(n), engine_steps(engine, n)
+                    if len(pairs) % 2:
+                        theirs, ours = block(bare.steps, n, inside), block(lambda k: engine_steps(engine, k), n, inside)
                     else:
-                        ours, theirs = engine_steps(engine, n), bare.steps(n)
-                    ratios.append(theirs / ours)
+                        ours, theirs = block(lambda k: engine_steps(engine, k), n, inside), block(bare.steps, n, inside)
+                    pairs.append(FloorPair(theirs[0] / ours[0], ours[1], theirs[1]))
                 if any(s.finish_reason is not None for s in sequences):
                     raise RuntimeError(f"a sequence ended within the timed steps: prompts began decoding over {FLOOR_BLOCK} steps apart")
                 while engine.has_work:
                     engine.step()
         finally:
             bare.close()
-    return ratios
+    return pairs
+
+
+def block(steps: Callable[[int], float], n: int, inside: list[float]) -> tuple[float, float]:
+    """n steps by `steps` (which returns their seconds) under decode_clock's `inside`: the
+    seconds, and µs a step outside llama_decode."""
+    inside[0] = 0.0
+    seconds = steps(n)
+    return seconds, (seconds - inside[0]) / n * 1e6
+
+
+@contextlib.contextmanager
+def decode_clock() -> Iterator[list[float]]:
+    """llama_decode timed while in the block: [seconds inside it, calls], added up for every caller
+    that looks it up in llama_cpp's module at each call (the engine's Context and BareLoop do)."""
+    inside = [0.0, 0]
+    real = llama_cpp.llama_decode
+
+    def timed(ctx, batch):
+        started = time.perf_counter()
+        try:
+            return real(ctx, batch)
+        finally:
+            inside[0] += time.perf_counter() - started
+            inside[1] += 1
+
+    llama_cpp.llama_decode = timed
+    try:
+        yield inside
+    finally:
+        llama_cpp.llama_decode = real
 
 
 def engine_steps(engine: BatchEngine, n: int) -> float:
@@ -208,17 +250,6 @@ def step_split(model: str, b: int, args, slots: int | None = None, native_too: b
     slots = slots or b
     settings = SweepSettings(batch_sizes=(slots,), prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
     context = settings.context
-    inside = [0.0, 0]
-    real = llama_cpp.llama_decode
-
-    def timed(ctx, batch):
-        started = time.perf_counter()
-        try:
-            return real(ctx, batch)
-        finally:
-            inside[0] += time.perf_counter() - started
-            inside[1] += 1
-
     with BatchEngine(model, n_parallel=slots, n_ctx=context, n_threads=args.threads, kv_unified=args.kv_unified) as engine:
         params = SamplingParams(temperature=0, max_tokens=args.gen_tokens, ignore_eos=True)
         engine.generate(prompts(b, args.prompt_tokens), params)  # warm
@@ -227,14 +258,11 @@ def step_split(model: str, b: int, args, slots: int | None = None, native_too: b
         sequences = engine.submit(prompts(b, args.prompt_tokens), params, streamed=False)  # as the sweep: no one reads them as they come
         while any(s.t_first_token is None for s in sequences):  # the prefill, not counted
             engine.step()
-        llama_cpp.llama_decode = timed
-        try:
+        with decode_clock() as inside:
             started = time.perf_counter()
             while engine.has_work:
                 engine.step()
             wall = time.perf_counter() - started
-        finally:
-            llama_cpp.llama_decode = real
     steps = inside[1]
     return inside[0] / steps * 1e6, (wall - inside[0]) / steps * 1e6, native_step
 
@@ -324,6 +352,27 @@ def count(args, report, trees: dict[str, Path], sizes: list[int]) -> None:
     )
 
 
+def own_python(report, pairs: dict[int, list[FloorPair]]) -> None:
+    """The floor's blocks timed outside llama_decode, each side: llamabatch's own Python as it runs
+    is the engine's time there over the bare loop's, a pair of blocks each; and its fit."""
+    added = {b: [p.ours_outside - p.floor_outside for p in pairs[b]] for b in pairs}
+    fixed, each = per_sequence({b: median(added[b]) for b in added})
+    report.figure("own_python_us_fixed", round(fixed, 2))
+    report.figure("own_python_us_per_sequence", round(each, 3))
+    for b in added:
+        report.figure(f"own_python_us_b{b}", Spread.of(added[b]))
+    report.table(
+        "Outside llama_decode in one process: the engine against the bare loop (µs a step)",
+        ["B", "llamabatch", "bare loop", "llamabatch over the bare loop", "over it, per sequence"],
+        [[b, Spread.of([p.ours_outside for p in pairs[b]]), Spread.of([p.floor_outside for p in pairs[b]]),
+          Spread.of(added[b]), median(added[b]) / b] for b in pairs] + [["fit: fixed + per sequence", "", "", f"{fixed:.1f} + {each:.2f} B", ""]],
+        "The floor's blocks, each side's wall time less its time inside llama_decode. Both sides read the logits, take "
+        "an argmax and write the tokens back on caches the decode has just used; the difference, a pair of blocks each, "
+        "is what llamabatch's Python adds to that, as it runs. Medians (lowest–highest) of the pairs; the fit is least "
+        "squares over the batch sizes' medians.",
+    )
+
+
 def per_sequence(points: dict[int, float]) -> tuple[float, float]:
     """The Python per step fitted (least squares) as fixed + per_sequence * B: (fixed, per sequence) in µs."""
     sizes = sorted(points)
@@ -403,7 +452,7 @@ def run(args, report) -> None:
     report.table(
         "The floor: a loop of bare ctypes calls, against native and against llamabatch (S_TG ratios)",
         ["B", "bare loop / native", "llamabatch / native (first table)", "llamabatch / bare loop (one process)"],
-        [[b, Spread.of(floor[b]), rows[k][-1], Spread.of(ours_over_floor[b])] for k, b in enumerate(sizes)],
+        [[b, Spread.of(floor[b]), rows[k][-1], Spread.of([p.ratio for p in ours_over_floor[b]])] for k, b in enumerate(sizes)],
         "Each step of the bare loop decodes B rows, reads the logits and takes one numpy argmax, nothing else: what "
         "llama-cpp-python's ctypes calls and numpy cost a step already, before any engine. Against native it runs in "
         "the engine's context, native beside it each round. Against llamabatch it runs in a second context of the same "
@@ -413,7 +462,8 @@ def run(args, report) -> None:
     )
     for b in sizes:
         report.figure(f"bare_loop_ratio_b{b}", Spread.of(floor[b]))
-        report.figure(f"llamabatch_over_bare_loop_b{b}", Spread.of(ours_over_floor[b]))
+        report.figure(f"llamabatch_over_bare_loop_b{b}", Spread.of([p.ratio for p in ours_over_floor[b]]))
+    own_python(report, ours_over_floor)
     report.table(
         "One sequence's llama_decode against the sequence slots of its context (µs per step)",
         ["slots (--parallel)", "inside llama_decode", f"over {SLOTS[0]} slot"],
