@@ -40,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import llama_cpp
@@ -181,6 +182,7 @@ def against_floor(model: str, b: int, args) -> list[FloorPair]:
     pairs: list[FloorPair] = []
     with BatchEngine(model, **sizes) as engine, BatchEngine(model, **sizes) as host, decode_clock() as inside:
         bare = BareLoop(host, b, args.prompt_tokens)
+        ours_steps = partial(engine_steps, engine)
         try:
             for _ in range(args.rounds):
                 engine.drop_cached_prefixes()
@@ -193,9 +195,9 @@ def against_floor(model: str, b: int, args) -> list[FloorPair]:
                 for first in range(1, args.gen_tokens, FLOOR_BLOCK):  # the prefill sampled each first token
                     n = min(FLOOR_BLOCK, args.gen_tokens - first)
                     if len(pairs) % 2:
-                        theirs, ours = block(bare.steps, n, inside), block(lambda k: engine_steps(engine, k), n, inside)
+                        theirs, ours = block(bare.steps, n, inside), block(ours_steps, n, inside)
                     else:
-                        ours, theirs = block(lambda k: engine_steps(engine, k), n, inside), block(bare.steps, n, inside)
+                        ours, theirs = block(ours_steps, n, inside), block(bare.steps, n, inside)
                     pairs.append(FloorPair(theirs[0] / ours[0], ours[1], theirs[1]))
                 if any(s.finish_reason is not None for s in sequences):
                     raise RuntimeError(f"a sequence ended within the timed steps: prompts began decoding over {FLOOR_BLOCK} steps apart")
