@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import inspect
 import json
 import math
 import os
@@ -257,7 +258,7 @@ def step_split(model: str, b: int, args, slots: int | None = None, native_too: b
         engine.generate(prompts(b, args.prompt_tokens), params)  # warm
         native_step = b / native_run(engine, replace(settings, batch_sizes=(b,)), b)["speed_tg"] * 1e6 if native_too else None
         engine.drop_cached_prefixes()
-        sequences = engine.submit(prompts(b, args.prompt_tokens), params, streamed=False)  # as the sweep: no one reads them as they come
+        sequences = submit_as_the_sweep(engine, prompts(b, args.prompt_tokens), params)
         while any(s.t_first_token is None for s in sequences):  # the prefill, not counted
             engine.step()
         with decode_clock() as inside:
@@ -267,6 +268,15 @@ def step_split(model: str, b: int, args, slots: int | None = None, native_too: b
             wall = time.perf_counter() - started
     steps = inside[1]
     return inside[0] / steps * 1e6, (wall - inside[0]) / steps * 1e6, native_step
+
+
+def submit_as_the_sweep(engine: BatchEngine, texts: list[list[int]], params: SamplingParams) -> list:
+    """The prompts submitted as the sweep submits them: answered whole (no one reads their tokens
+    as they come). A checkout from before answers could be whole (--before one as old as issue
+    52's dfbf8c1) streams every token, as its sweep then did."""
+    if "streamed" in inspect.signature(engine.submit).parameters:
+        return engine.submit(texts, params, streamed=False)
+    return engine.submit(texts, params)
 
 
 @contextlib.contextmanager
