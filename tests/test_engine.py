@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from collections import Counter
 from dataclasses import replace
@@ -11,6 +12,7 @@ import llama_cpp
 import pytest
 
 from llamabatch import PromptError, SamplingParams
+from llamabatch.engine import batch_engine
 from llamabatch.engine.native.backend import GGML_LOG_LEVEL_WARN, MAX_KEPT_WARNINGS, log
 from llamabatch.engine.native.handles import POSITIONS_AHEAD
 
@@ -459,6 +461,26 @@ def test_a_sequence_no_one_streams_sends_only_its_last_event(make_engine, params
     assert engine.stats.completion_tokens == 4 * 9
 
 
+def test_rows_answered_whole_end_where_their_streams_do(make_engine, tiny_eos_model):
+    """A plain step whose rows are all answered whole only appends their picks while none can
+    end (postprocess.QuietRows); each row still ends at its own end of generation or length, with
+    the tokens the same row streamed shows. The model's greedy choice is always its end of
+    generation: min_tokens holds it off, so the rows end at steps set apart, and beside others."""
+    ends = [(12, 3), (12, 7), (5, 5), (20, 10)]  # (max_tokens, min_tokens)
+    params = [SamplingParams(temperature=0, max_tokens=m, min_tokens=n) for m, n in ends]
+    seen = {}
+    for streamed in (True, False):
+        engine = make_engine(tiny_eos_model, n_parallel=4)
+        sequences = engine.submit(PROMPTS[:4], params, streamed=streamed)
+        assert all(seq.whole_text != streamed for seq in sequences)
+        for _ in engine.run():
+            pass
+        seen[streamed] = [(seq.finish_reason, seq.tokens[seq.n_prompt :]) for seq in sequences]
+        assert engine.stats.completion_tokens == 4 + 8 + 5 + 11
+    assert seen[False] == seen[True]
+    assert [(reason, len(tokens)) for reason, tokens in seen[False]] == [("stop", 4), ("stop", 8), ("length", 5), ("stop", 11)]
+
+
 @pytest.mark.parametrize("streamed", [(False, False), (True, False)], ids=["none streamed", "one streamed"])
 def test_a_long_prompt_is_read_whole_beside_decoders_no_one_streams(make_engine, streamed):
     """The step budget keeps streams flowing: beside decoders whose end alone is awaited
@@ -500,10 +522,12 @@ PLAIN_STEP = {
 
 
 @pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
-def test_a_plain_greedy_step_runs_only_its_roles_and_keeps_its_batch(make_engine, streamed):
+def test_a_plain_greedy_step_runs_only_its_roles_and_keeps_its_batch(make_engine, streamed, monkeypatch):
     """Traced: the llamabatch modules whose code a repeated plain greedy step runs. Memory,
     speculation, adapters, the prompt cache or a new layout of the batch (rows: the step's arrays
-    are kept between steps) on that path fail here."""
+    are kept between steps) on that path fail here. (The snapshot, published every
+    PUBLISH_EVERY_S rather than a step, is held off: on a loaded host one falls due in any step.)"""
+    monkeypatch.setattr(batch_engine, "PUBLISH_EVERY_S", math.inf)
     engine = make_engine(n_parallel=4)
     engine.submit(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), streamed=streamed)
     for _ in range(3):
