@@ -4,6 +4,8 @@ can end, and an end frees the sequence's slot."""
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 
 from .config import EngineConfig
 from .memory.streams import Memory
@@ -20,6 +22,7 @@ class Postprocessor:
         # token -> (ends generation, its bytes, its text where the bytes are whole characters): one lookup a token
         self._known: dict[int, tuple[bool, bytes, str | None]] = {}
         self._goes_on: set[int] = set()  # the tokens learned so far that do not end generation: one lookup a plain row whose text is whole
+        self._quiet: QuietRows | None = None  # the plain rows answered whole that accept_plain saw last
 
     def accept(self, seq: Sequence, token: int, events: list[Event]) -> None:
         """Append the sampled token and add its event to `events` (a sequence no one streams has
@@ -70,7 +73,18 @@ class Postprocessor:
         constraint, thought or log-probabilities), its common path inline: this loop runs for
         every token of most steps (an event only where someone reads it, a text only where it is
         watched). Each row has sampled before (its first token came with its prompt's step). A
-        pick that is an exception (its sampler failed) fails its row alone."""
+        pick that is an exception (its sampler failed) fails its row alone.
+
+        Rows all answered whole whose picks all go on, none reaching its length, only append
+        them (QuietRows): most steps of generate(), job lines and the sweep."""
+        quiet = self._quiet
+        if quiet is None or quiet.rows is not rows:
+            quiet = self._quiet = QuietRows.of(rows)
+        nearest = quiet.nearest_end
+        if nearest is not None and len(nearest.tokens) + 1 < nearest.max_len and self._goes_on.issuperset(picks):
+            _SINK.extend(map(list.append, quiet.tokens, picks))
+            self.stats.completion_tokens += len(picks)
+            return
         known, goes_on, add, failed = self._known, self._goes_on, events.append, 0
         for seq, token in zip(rows, picks):
             try:
@@ -118,6 +132,7 @@ class Postprocessor:
         if seq.whole_text:
             text = seq.stream.push(self._shown_bytes(seq, reason))
         text += seq.stream.finish()
+        self._quiet = None  # its step's rows change: nothing keeps the sequence
         self.memory.drop_swap(seq)
         seq.end(reason, error)
         if seq.incomplete:
@@ -142,6 +157,27 @@ class Postprocessor:
             seq.hold(0)  # its slot keeps nothing
         seq.drop_draft()
         return self.finish(seq, None, "", "error", message)
+
+
+@dataclass(frozen=True, slots=True)
+class QuietRows:
+    """The rows of a plain step (the same list while the scheduler hands the step over again)
+    when every one is answered whole: its token lists, and the row nearest its length. They take
+    their tokens in step, so while that row's next token does not reach its length, none does:
+    a step whose picks end no row then only appends them."""
+
+    rows: list[Sequence]
+    tokens: list[list[int]]
+    nearest_end: Sequence | None  # None: some row is read as it comes, or its text watched
+
+    @staticmethod
+    def of(rows: list[Sequence]) -> QuietRows:
+        if not all(seq.whole_text for seq in rows):
+            return QuietRows(rows, [], None)
+        return QuietRows(rows, [seq.tokens for seq in rows], min(rows, key=lambda seq: seq.max_len - len(seq.tokens), default=None))
+
+
+_SINK: deque[None] = deque(maxlen=0)  # extend() runs an iterator through (map's calls) without a bytecode a row
 
 
 def _out_of_time(seq: Sequence, piece: bytes, limit: float) -> bool:
