@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from llamabatch import ConstraintError, SamplingParams
+from llamabatch.engine.sampling.constraints import apply_mask
 
 from reference import reference_next_logits
 
@@ -126,3 +127,23 @@ def test_a_constraint_is_compiled_once_and_keeps_its_property_order(make_engine)
     [r] = engine.generate(["hi"], SamplingParams(temperature=0, max_tokens=96, json_schema=reordered))
     assert list(json.loads(r.text))[0] == "tags" or "tags" not in json.loads(r.text)  # the schema's order is the output's
     assert engine.grammars.compiles == 2
+
+
+@pytest.mark.parametrize("allowed", ["three", "all but forty", "every other"])
+def test_a_mask_leaves_exactly_the_allowed_logits(allowed):
+    """llguidance's bitmask on a vocabulary as large as Gemma 3's (and not a whole number of
+    words): a mask that allows a few tokens, one that forbids a few, and one in between (each
+    applied its own way) leave the allowed logits as they were, bit for bit, and -inf elsewhere."""
+    n_vocab = 262_144 - 5
+    rng = np.random.default_rng(7)
+    ids = {"three": rng.choice(n_vocab, 3, replace=False),
+           "all but forty": np.setdiff1d(np.arange(n_vocab), rng.choice(n_vocab, 40, replace=False)),
+           "every other": np.arange(0, n_vocab, 2)}[allowed]
+    bits = np.zeros(n_vocab + 5 + 32, dtype=np.uint8)  # llguidance's words cover its vocabulary: padding clear
+    bits[ids] = 1
+    mask = np.packbits(bits[: (n_vocab + 31) // 32 * 32], bitorder="little").view(np.int32)
+    row = rng.standard_normal(n_vocab).astype(np.float32)
+    expected = np.full(n_vocab, -np.inf, dtype=np.float32)
+    expected[ids] = row[ids]
+    apply_mask(mask, row)
+    assert np.array_equal(row.view(np.uint32), expected.view(np.uint32))

@@ -164,11 +164,11 @@ def test_the_profile_bans_what_would_overrun_a_number():
     profile, bounds = DigitProfile(pieces), DigitBounds(integer=4, fraction=2)
     lexer = NumberLexer()
     lexer.feed(b"12")  # two integral digits: room for two more
-    assert list(profile.banned(lexer, bounds)) == [False, True, True, False, True, False, True, False]
+    assert list(profile.banned(lexer, bounds)) == [1, 2, 4, 6]
     lexer.feed(b".3")  # one fraction digit: room for one more
-    assert list(profile.banned(lexer, bounds)) == [False, True, True, False, True, False, True, False]
+    assert list(profile.banned(lexer, bounds)) == [1, 2, 4, 6]
     lexer.feed(b"4")
-    assert list(profile.banned(lexer, bounds))[:2] == [True, True]
+    assert list(profile.banned(lexer, bounds))[:2] == [0, 1]
     lexer.feed(b",")
     assert profile.banned(lexer, bounds) is None  # outside a number nothing is banned
 

@@ -33,6 +33,9 @@ COMPILED_CACHE = 256  # distinct constraints kept compiled (a batch job sends on
 JSON_LAYOUT = {"whitespace_flexible": False}
 ALL_ONES = np.uint32(0xFFFFFFFF)
 NEG_INF_BITS = np.float32(-np.inf).view(np.uint32)
+# A mask whose allowed (or forbidden) tokens lie in fewer than one word in this many is applied
+# through those tokens' ids (apply_mask): up to about a fifth, that is quicker than the bitwise way.
+FEW_WORDS = 8
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,42 @@ class Matcher:
         return "; ".join(lines[:1] + [line for line in lines[1:] if line.startswith("Stop:")])
 
 
+def apply_mask(mask: np.ndarray, row: np.ndarray) -> None:
+    """Set to -inf, in place, every logit of `row` whose bit is clear in `mask` (llguidance's
+    bitmask: token t is bit t % 32 of word t // 32). Most masks allow a few tokens (JSON's
+    punctuation, a key, an enum) or forbid a few (a string's quote, escapes and control
+    characters): those few are found from the words that hold them, and only their logits are
+    touched (the row filled around the allowed ones), where the bitwise way makes several passes
+    over the whole row (a third of its time on a 262k vocabulary, or less)."""
+    allowing = np.flatnonzero(mask)
+    if len(allowing) * FEW_WORDS < len(mask):
+        allowed = _set_bits(allowing, mask[allowing], len(row))
+        kept = row[allowed]
+        row.fill(-np.inf)
+        row[allowed] = kept
+        return
+    refused = ~mask
+    forbidding = np.flatnonzero(refused)
+    if len(forbidding) * FEW_WORDS < len(mask):
+        row[_set_bits(forbidding, refused[forbidding], len(row))] = -np.inf
+        return
+    # As many allowed as not: bitwise on the float bits, not np.putmask, which branches per
+    # element and costs 1 ms on a 262k row whose mask mixes allowed and forbidden tokens; this
+    # costs 0.15 ms.
+    keep = np.multiply(np.unpackbits(mask.view(np.uint8), bitorder="little")[: len(row)], ALL_ONES, dtype=np.uint32)
+    bits = row.view(np.uint32)
+    np.bitwise_and(bits, keep, out=bits)  # allowed logits stay as they were
+    np.bitwise_or(bits, NEG_INF_BITS & ~keep, out=bits)  # forbidden ones become -inf
+
+
+def _set_bits(at: np.ndarray, words: np.ndarray, n_vocab: int) -> np.ndarray:
+    """The token ids of the set bits of `words`, the bitmask's words at indexes `at` (ids past
+    the vocabulary, the last word's padding, left out)."""
+    bits = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+    ids = at[bits >> 5] * 32 + (bits & 31)
+    return ids[ids < n_vocab]
+
+
 class Grammars:
     """Compiles constraints against one vocabulary and hands out matchers for sequences."""
 
@@ -140,14 +179,8 @@ class Grammars:
         if self._mask is None or self._mask.shape[0] < len(matchers):
             self._mask = np.empty((max(len(matchers), 8), n_words), dtype=np.int32)
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(m.llg, i) for i, m in enumerate(matchers)], self._mask)
-        n_vocab = self.vocab.n_vocab
         for i, (matcher, row) in enumerate(zip(matchers, rows)):
-            # Bitwise on the float bits, not np.putmask: that branches per element and costs 1 ms
-            # on a 262k row whose mask mixes allowed and forbidden tokens; this costs 0.15 ms.
-            keep = np.multiply(np.unpackbits(self._mask[i].view(np.uint8), bitorder="little")[:n_vocab], ALL_ONES, dtype=np.uint32)
-            bits = row.view(np.uint32)
-            np.bitwise_and(bits, keep, out=bits)  # allowed logits stay as they were
-            np.bitwise_or(bits, NEG_INF_BITS & ~keep, out=bits)  # forbidden ones become -inf
+            apply_mask(self._mask[i], row)
             if matcher.lexer is not None:
                 self._bound_digits(matcher, row)
 
@@ -158,8 +191,12 @@ class Grammars:
         if self._digits is None:
             self._digits = DigitProfile([self.vocab.piece(t) for t in range(self.vocab.n_vocab)])
         banned = self._digits.banned(matcher.lexer, matcher.bounds)
-        if banned is not None and np.isfinite(row[~banned]).any():
-            row[banned] = -np.inf
+        if banned is None:
+            return
+        kept = row[banned]
+        row[banned] = -np.inf
+        if not np.isfinite(row).any():  # nothing left but them: they stay
+            row[banned] = kept
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         """Built under the lock by compile(), which every matcher comes from, before mask_rows needs it."""

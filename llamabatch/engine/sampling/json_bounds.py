@@ -23,6 +23,7 @@ import numpy as np
 from ...errors import ConstraintError
 
 _DIGITS = frozenset(b"0123456789")
+BANNED_KEPT = 128  # sets of banned ids a profile keeps (a few places in a number, times the bounds in use)
 _EXPONENT = frozenset(b"eE")
 
 
@@ -123,17 +124,28 @@ class DigitProfile:
                 after = lead + 1 + self.fraction[token]
             self.lead[token] = lead
             self.exponent[token] = piece[after : after + 1] in (b"e", b"E")
+        self._banned: dict[tuple[Part, int, DigitBounds], np.ndarray] = {}  # banned()'s ids, by where the number stands
 
     def banned(self, lexer: NumberLexer, bounds: DigitBounds) -> np.ndarray | None:
-        """The tokens that would carry the number the lexer is in past `bounds` or into an
-        exponent (None outside a number, where nothing is banned)."""
-        if lexer.part is Part.INTEGER:
-            return (lexer.digits + self.lead > bounds.integer) | (self.fraction > bounds.fraction) | self.exponent
-        if lexer.part is Part.FRACTION:
-            return (lexer.digits + self.lead > bounds.fraction) | self.exponent
-        if lexer.part is Part.EXPONENT:  # reached within one token; keep it to what a double has
-            return lexer.digits + self.lead > 3
-        return None
+        """The ids of the tokens that would carry the number the lexer is in past `bounds` or
+        into an exponent (None outside a number, where nothing is banned). Kept for each place a
+        number can stand in: a row inside one would otherwise build them from the whole vocabulary."""
+        if lexer.part not in (Part.INTEGER, Part.FRACTION, Part.EXPONENT):
+            return None
+        key = (lexer.part, lexer.digits, bounds)
+        ids = self._banned.get(key)
+        if ids is None:
+            if len(self._banned) >= BANNED_KEPT:
+                self._banned.clear()
+            ids = self._banned[key] = np.flatnonzero(self._bans(lexer.part, lexer.digits, bounds)).astype(np.int32)
+        return ids
+
+    def _bans(self, part: Part, digits: int, bounds: DigitBounds) -> np.ndarray:
+        if part is Part.INTEGER:
+            return (digits + self.lead > bounds.integer) | (self.fraction > bounds.fraction) | self.exponent
+        if part is Part.FRACTION:
+            return (digits + self.lead > bounds.fraction) | self.exponent
+        return digits + self.lead > 3  # an exponent, reached within one token: kept to what a double has
 
 
 def _run_of_digits(piece: bytes, start: int) -> int:
