@@ -139,9 +139,9 @@ def test_a_mask_leaves_exactly_the_allowed_logits(allowed):
     ids = {"three": rng.choice(n_vocab, 3, replace=False),
            "all but forty": np.setdiff1d(np.arange(n_vocab), rng.choice(n_vocab, 40, replace=False)),
            "every other": np.arange(0, n_vocab, 2)}[allowed]
-    bits = np.zeros(n_vocab + 5 + 32, dtype=np.uint8)  # llguidance's words cover its vocabulary: padding clear
+    bits = np.zeros((n_vocab + 31) // 32 * 32, dtype=np.uint8)  # llguidance's words cover its vocabulary: padding clear
     bits[ids] = 1
-    mask = np.packbits(bits[: (n_vocab + 31) // 32 * 32], bitorder="little").view(np.int32)
+    mask = np.packbits(bits, bitorder="little").view(np.int32)
     row = rng.standard_normal(n_vocab).astype(np.float32)
     expected = np.full(n_vocab, -np.inf, dtype=np.float32)
     expected[ids] = row[ids]

@@ -23,8 +23,8 @@ import numpy as np
 from ...errors import ConstraintError
 
 _DIGITS = frozenset(b"0123456789")
-BANNED_KEPT = 128  # sets of banned ids a profile keeps (a few places in a number, times the bounds in use)
 _EXPONENT = frozenset(b"eE")
+BANNED_KEPT = 128  # sets of banned ids a profile keeps (a few places in a number, times the bounds in use)
 
 
 # Formats whose standard bounds their length: RFC 5321 (an address in a 256-octet path, its angle
