@@ -21,6 +21,12 @@ far less than it moves ratios of runs minutes apart. The same blocks time each s
 llama_decode: the engine's over the bare loop's is the Python llamabatch adds, as it runs, on the
 caches a decode has just used (which the bare loop's own reading of the logits pays too).
 
+The same pairs of blocks run again with llama_decode a stand-in (stand_in_decode): writing
+nothing, each side's own Python on warm caches, as beside a GPU's decode, which leaves the host's
+caches alone; writing EVICT_MB first, the same on caches a CPU decode has filled with its own
+data. The in-place figures above follow the second: most of a step's time outside llama_decode on
+a CPU is its code and data read back from memory, in the bare loop as in the engine.
+
 `--instructions` counts instead of timing (valgrind's callgrind): the instructions a step of B
 sequences executes with llama_decode replaced by a C call that returns at once, so every one is
 llamabatch's (and the binding's). A count does not change with the host's load, where a shared
@@ -56,6 +62,9 @@ from .harness import ROOT, Spread, alternate, cli, json_lines, median, model_pat
 SMOKE = ["--rounds", "1", "--batch-sizes", "1,4", "--gen-tokens", "8"]
 FLOOR_BLOCK = 16  # steps a side runs before the other runs as many (against_floor)
 SLOTS = (1, 64, 256)  # sequence slots of the context one sequence decodes in (the slot-pair check)
+# Twice the L3 of the EPYC the benchmarks run on (16 MiB): a stand-in decode that writes this much
+# leaves the caches as a tiny-model decode of 64 rows does (its attention's masks and scores).
+EVICT_MB = 32
 
 
 def prompt_token(s: int, p: int) -> int:
@@ -246,6 +255,54 @@ def engine_steps(engine: BatchEngine, n: int) -> float:
     return time.perf_counter() - started
 
 
+def stand_in_decode(evict_mb: float = 0) -> Callable[[object, object], int]:
+    """A stand-in for llama_decode: a C call that returns 0 (the logits stay the last real
+    decode's), after writing `evict_mb` of memory, as a CPU decode's own traffic does. Writing
+    nothing leaves the host's caches as a GPU's decode leaves them."""
+    absolute = ctypes.CDLL(None).abs
+    if not evict_mb:
+        return lambda ctx, batch: absolute(0)
+    scratch = np.zeros(int(evict_mb * 2**20) // 8)
+
+    def decode(ctx, batch) -> int:
+        np.add(scratch, 1.0, out=scratch)
+        return absolute(0)
+
+    return decode
+
+
+def outside_stand_in(model: str, b: int, args, evict_mb: float) -> list[tuple[float, float]]:
+    """µs a step outside llama_decode, (engine, bare loop) a pair of blocks each, as against_floor
+    pairs them, with llama_decode a stand-in (stand_in_decode(evict_mb)) for args.rounds *
+    gen_tokens steps a side: each side's own Python, on warm caches (nothing written) or on
+    caches a decode has emptied. Only the prefills decode; the positions then run on unread."""
+    steps = args.rounds * args.gen_tokens
+    sizes = dict(n_parallel=b, n_ctx=b * (args.prompt_tokens + steps + 2 * FLOOR_BLOCK), n_threads=args.threads, kv_unified=args.kv_unified)
+    params = SamplingParams(temperature=0, max_tokens=steps + 2 * FLOOR_BLOCK, ignore_eos=True)
+    pairs: list[tuple[float, float]] = []
+    with BatchEngine(model, **sizes) as engine, BatchEngine(model, **sizes) as host:
+        ours_steps = partial(engine_steps, engine)
+        sequences = submit_as_the_sweep(engine, prompts(b, args.prompt_tokens), params)
+        while any(s.t_first_token is None for s in sequences):
+            engine.step()
+        bare = BareLoop(host, b, args.prompt_tokens)
+        try:
+            bare.prefill()
+            real, llama_cpp.llama_decode = llama_cpp.llama_decode, stand_in_decode(evict_mb)
+            with decode_clock() as inside:
+                for first in range(0, steps, FLOOR_BLOCK):
+                    n = min(FLOOR_BLOCK, steps - first)
+                    if len(pairs) % 2:
+                        theirs, ours = block(bare.steps, n, inside)[1], block(ours_steps, n, inside)[1]
+                    else:
+                        ours, theirs = block(ours_steps, n, inside)[1], block(bare.steps, n, inside)[1]
+                    pairs.append((ours, theirs))
+        finally:
+            llama_cpp.llama_decode = real
+            bare.close()
+    return pairs
+
+
 def step_split(model: str, b: int, args, slots: int | None = None, native_too: bool = True) -> tuple[float, float, float | None]:
     """Microseconds per decode step of B greedy sequences (PP, TG as the sweep) in an engine of
     `slots` sequence slots (default B): inside llama_decode, outside it, and (`native_too`)
@@ -288,15 +345,26 @@ def tree_first(tree: Path) -> Iterator[tuple[str, str]]:
         yield shim, os.pathsep.join([shim, str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
-def split_in(tree: Path, model: str, b: int, args, native_too: bool) -> tuple[float, float, float | None]:
-    """step_split in a fresh process whose llamabatch is `tree`'s (this checkout's benchmarks):
-    a shim folder puts that tree's package first on the path."""
+def in_tree(tree: Path, call: str, args) -> list:
+    """`call`, a call of this checkout's benchmarks.overhead whose `args` are the run's, in a fresh
+    process whose llamabatch is `tree`'s (a shim folder puts that tree's package first on the
+    path); its value, a JSON list."""
     with tree_first(tree) as (shim, path):
         settings = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}
-        code = ("import argparse, json; from benchmarks.overhead import step_split; "
-                f"print(json.dumps(step_split({model!r}, {b}, argparse.Namespace(**{settings!r}), native_too={native_too})))")
+        code = f"import argparse, json; from benchmarks import overhead; args = argparse.Namespace(**{settings!r}); print(json.dumps(overhead.{call}))"
         _, out = run_command([sys.executable, "-c", code], env={"PYTHONPATH": path}, cwd=shim)
-    return tuple(json.loads([line for line in out.splitlines() if line.startswith("[")][-1]))
+    return json.loads([line for line in out.splitlines() if line.startswith("[")][-1])
+
+
+def split_in(tree: Path, model: str, b: int, args, native_too: bool) -> tuple[float, float, float | None]:
+    """step_split with `tree`'s llamabatch (in_tree)."""
+    return tuple(in_tree(tree, f"step_split({model!r}, {b}, args, native_too={native_too})", args))
+
+
+def warm_in(tree: Path, model: str, b: int, args) -> list[float]:
+    """The engine's side of outside_stand_in, warm, with `tree`'s llamabatch (in_tree): one
+    round of blocks."""
+    return [ours for ours, _ in in_tree(tree, f"outside_stand_in({model!r}, {b}, args, 0)", argparse.Namespace(**{**vars(args), "rounds": 1}))]
 
 
 def no_decode_loop(model: str, b: int, steps: int, streamed: bool, room: int) -> None:
@@ -305,7 +373,6 @@ def no_decode_loop(model: str, b: int, steps: int, streamed: bool, room: int) ->
     left. What instructions_per_step counts. `streamed`: their tokens are read as they come (an
     event each), else only their ends. `room`: steps the context has room for, the same for every
     loop length (a larger context costs more to set up: it would count as the steps' work)."""
-    absolute = ctypes.CDLL(None).abs
     # The engine publishes its snapshot every 25 ms: a step under callgrind takes about that, one
     # on the host a thousandth of it, so counted steps would publish each time where real ones don't.
     batch_engine.PUBLISH_EVERY_S = math.inf
@@ -314,7 +381,7 @@ def no_decode_loop(model: str, b: int, steps: int, streamed: bool, room: int) ->
         sequences = engine.submit(prompts(b, 32), params, streamed=streamed)
         while any(s.t_first_token is None for s in sequences):
             engine.step()
-        real, llama_cpp.llama_decode = llama_cpp.llama_decode, lambda ctx, batch: absolute(0)
+        real, llama_cpp.llama_decode = llama_cpp.llama_decode, stand_in_decode()
         try:
             for _ in range(steps):
                 engine.step()
@@ -385,6 +452,55 @@ def own_python(report, pairs: dict[int, list[FloorPair]]) -> None:
     )
 
 
+def without_decode(report, stand_ins: dict[int, dict[float, list[tuple[float, float]]]], pairs: dict[int, list[FloorPair]]) -> None:
+    """Each side's µs a step outside llama_decode with the decode a stand-in, warm and after
+    EVICT_MB written, beside the same in place (the floor's blocks); and their fits."""
+    columns = {
+        "llamabatch, warm": {b: [x[0] for x in stand_ins[b][0]] for b in pairs},
+        "bare loop, warm": {b: [x[1] for x in stand_ins[b][0]] for b in pairs},
+        f"llamabatch, {EVICT_MB} MB written": {b: [x[0] for x in stand_ins[b][EVICT_MB]] for b in pairs},
+        f"bare loop, {EVICT_MB} MB written": {b: [x[1] for x in stand_ins[b][EVICT_MB]] for b in pairs},
+        "llamabatch, decoding": {b: [p.ours_outside for p in pairs[b]] for b in pairs},
+        "bare loop, decoding": {b: [p.floor_outside for p in pairs[b]] for b in pairs},
+    }
+    fits = {name: per_sequence({b: median(times) for b, times in column.items()}) for name, column in columns.items()}
+    for name, (fixed, each) in fits.items():
+        key = name.replace(", ", "_").replace(" ", "_")
+        report.figure(f"outside_us_fixed_{key}", round(fixed, 2))
+        report.figure(f"outside_us_per_sequence_{key}", round(each, 3))
+    report.table(
+        "Outside llama_decode with the decode a stand-in, in one process (µs a step)",
+        ["B", *columns],
+        [[b, *(Spread.of(column[b]) for column in columns.values())] for b in pairs]
+        + [["fit: fixed + per sequence", *(f"{fixed:.1f} + {each:.2f} B" for fixed, each in fits.values())]],
+        "llama_decode replaced by a C call returning at once, in blocks alternating between the engine and the bare "
+        f"loop as the floor's: warm, each side's own Python on caches nothing else used (as beside a GPU's decode); "
+        f"{EVICT_MB} MB written, the stand-in first writes twice this host's L3, as a CPU decode of many rows does. "
+        "Decoding: the floor's blocks in place. Where the written and the decoding columns agree, what a step costs "
+        "outside llama_decode beyond the warm figure is its data and code read back from memory. Medians "
+        "(lowest–highest) of the blocks; the fit is least squares over the batch sizes' medians.",
+    )
+
+
+def warm_before_after(report, warm: dict[int, dict[str, list[list[float]]]]) -> None:
+    """--before: each checkout's own Python on warm caches (outside_stand_in, nothing written), a
+    process a round, alternating; and their fits."""
+    blocks = {b: {name: [us for run in runs for us in run] for name, runs in sides.items()} for b, sides in warm.items()}
+    names = list(next(iter(blocks.values())))
+    fits = {name: per_sequence({b: median(blocks[b][name]) for b in blocks}) for name in names}
+    for name, (fixed, each) in fits.items():
+        report.figure(f"warm_python_us_fixed_{name}", round(fixed, 2))
+        report.figure(f"warm_python_us_per_sequence_{name}", round(each, 3))
+    report.table(
+        "Outside llama_decode on warm caches (the decode a stand-in writing nothing), each checkout in its own process, alternating (µs a step)",
+        ["B", *names, "after / before"],
+        [[b, *(Spread.of(blocks[b][name]) for name in names), median(blocks[b]["llamabatch"]) / median(blocks[b]["before"])] for b in blocks]
+        + [["fit: fixed + per sequence", *(f"{fixed:.1f} + {each:.2f} B" for fixed, each in fits.values()),
+            f"{fits['llamabatch'][0] / fits['before'][0]:.2f} + {fits['llamabatch'][1] / fits['before'][1]:.2f} B"]],
+        "Medians (lowest–highest) of the blocks; the ratio is of the medians, and of the fits' parts in the last row.",
+    )
+
+
 def per_sequence(points: dict[int, float]) -> tuple[float, float]:
     """The Python per step fitted (least squares) as fixed + per_sequence * B: (fixed, per sequence) in µs."""
     sizes = sorted(points)
@@ -419,6 +535,9 @@ def run(args, report) -> None:
         split = {b: splits[b]["llamabatch"] for b in sizes}
         floor = {b: bare_loop(model, b, args) for b in sizes}
         ours_over_floor = {b: against_floor(model, b, args) for b in sizes}
+        stand_ins = {b: {mb: outside_stand_in(model, b, args, mb) for mb in (0, EVICT_MB)} for b in sizes}
+        warm = {b: alternate({name: partial(warm_in, tree, model, b, args) for name, tree in trees.items()}, args.rounds, label=f"warm B={b}")
+                for b in sizes} if len(trees) > 1 else None
         by_slots = {n: [] for n in SLOTS}
         for _ in range(args.rounds):
             for n in SLOTS:
@@ -476,6 +595,9 @@ def run(args, report) -> None:
         report.figure(f"bare_loop_ratio_b{b}", Spread.of(floor[b]))
         report.figure(f"llamabatch_over_bare_loop_b{b}", Spread.of([p.ratio for p in ours_over_floor[b]]))
     own_python(report, ours_over_floor)
+    without_decode(report, stand_ins, ours_over_floor)
+    if warm:
+        warm_before_after(report, warm)
     report.table(
         "One sequence's llama_decode against the sequence slots of its context (µs per step)",
         ["slots (--parallel)", "inside llama_decode", f"over {SLOTS[0]} slot"],
