@@ -275,7 +275,8 @@ def outside_stand_in(model: str, b: int, args, evict_mb: float) -> list[tuple[fl
     """µs a step outside llama_decode, (engine, bare loop) a pair of blocks each, as against_floor
     pairs them, with llama_decode a stand-in (stand_in_decode(evict_mb)) for args.rounds *
     gen_tokens steps a side: each side's own Python, on warm caches (nothing written) or on
-    caches a decode has emptied. Only the prefills decode; the positions then run on unread."""
+    caches a decode has emptied. Only the prefills decode: after them the positions advance
+    with nothing stored."""
     steps = args.rounds * args.gen_tokens
     sizes = dict(n_parallel=b, n_ctx=b * (args.prompt_tokens + steps + 2 * FLOOR_BLOCK), n_threads=args.threads, kv_unified=args.kv_unified)
     params = SamplingParams(temperature=0, max_tokens=steps + 2 * FLOOR_BLOCK, ignore_eos=True)
@@ -285,10 +286,10 @@ def outside_stand_in(model: str, b: int, args, evict_mb: float) -> list[tuple[fl
         sequences = submit_as_the_sweep(engine, prompts(b, args.prompt_tokens), params)
         while any(s.t_first_token is None for s in sequences):
             engine.step()
-        bare = BareLoop(host, b, args.prompt_tokens)
+        bare, real = BareLoop(host, b, args.prompt_tokens), llama_cpp.llama_decode
         try:
             bare.prefill()
-            real, llama_cpp.llama_decode = llama_cpp.llama_decode, stand_in_decode(evict_mb)
+            llama_cpp.llama_decode = stand_in_decode(evict_mb)
             with decode_clock() as inside:
                 for first in range(0, steps, FLOOR_BLOCK):
                     n = min(FLOOR_BLOCK, steps - first)
