@@ -204,10 +204,7 @@ def against_floor(model: str, b: int, args) -> list[FloorPair]:
                 bare.prefill([args.prompt_tokens + s.n_generated - 1 for s in sequences])
                 for first in range(1, args.gen_tokens, FLOOR_BLOCK):  # the prefill sampled each first token
                     n = min(FLOOR_BLOCK, args.gen_tokens - first)
-                    if len(pairs) % 2:
-                        theirs, ours = block(bare.steps, n, inside), block(ours_steps, n, inside)
-                    else:
-                        ours, theirs = block(ours_steps, n, inside), block(bare.steps, n, inside)
+                    ours, theirs = blocks(ours_steps, bare.steps, n, inside, theirs_first=len(pairs) % 2 == 1)
                     pairs.append(FloorPair(theirs[0] / ours[0], ours[1], theirs[1]))
                 if any(s.finish_reason is not None for s in sequences):
                     raise RuntimeError(f"a sequence ended within the timed steps: prompts began decoding over {FLOOR_BLOCK} steps apart")
@@ -224,6 +221,17 @@ def block(steps: Callable[[int], float], n: int, inside: list[float]) -> tuple[f
     inside[0] = 0.0
     seconds = steps(n)
     return seconds, (seconds - inside[0]) / n * 1e6
+
+
+def blocks(ours: Callable[[int], float], theirs: Callable[[int], float], n: int, inside: list[float],
+           theirs_first: bool) -> tuple[tuple[float, float], tuple[float, float]]:
+    """A block of n steps a side (block()'s values, ours then theirs), the side that goes first
+    alternating from pair to pair, so that the host's drift falls on both alike."""
+    if theirs_first:
+        theirs_block = block(theirs, n, inside)
+        return block(ours, n, inside), theirs_block
+    ours_block = block(ours, n, inside)
+    return ours_block, block(theirs, n, inside)
 
 
 @contextlib.contextmanager
@@ -293,11 +301,8 @@ def outside_stand_in(model: str, b: int, args, evict_mb: float) -> list[tuple[fl
             with decode_clock() as inside:
                 for first in range(0, steps, FLOOR_BLOCK):
                     n = min(FLOOR_BLOCK, steps - first)
-                    if len(pairs) % 2:
-                        theirs, ours = block(bare.steps, n, inside)[1], block(ours_steps, n, inside)[1]
-                    else:
-                        ours, theirs = block(ours_steps, n, inside)[1], block(bare.steps, n, inside)[1]
-                    pairs.append((ours, theirs))
+                    ours, theirs = blocks(ours_steps, bare.steps, n, inside, theirs_first=len(pairs) % 2 == 1)
+                    pairs.append((ours[1], theirs[1]))
         finally:
             llama_cpp.llama_decode = real
             bare.close()
