@@ -303,6 +303,9 @@ def outside_stand_in(model: str, b: int, args, evict_mb: float) -> list[tuple[fl
                     n = min(FLOOR_BLOCK, steps - first)
                     ours, theirs = blocks(ours_steps, bare.steps, n, inside, theirs_first=len(pairs) % 2 == 1)
                     pairs.append((ours[1], theirs[1]))
+            ended = [s.finish_reason for s in sequences if s.finish_reason is not None]
+            if ended:  # fewer rows than B were timed
+                raise RuntimeError(f"{len(ended)} of {b} sequences ended within the stand-in's steps (first: {ended[0]})")
         finally:
             llama_cpp.llama_decode = real
             bare.close()
